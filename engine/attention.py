@@ -1,0 +1,145 @@
+"""Attention over the block-major paged KV cache: one interface, two backends.
+
+The batch is flat and ordered decodes first: `num_decodes` sequences with one query token each,
+then prefill chunks of any length. Per layer, the backend writes the step's new K/V rows into the
+cache by slot (`slot = block_id * block_size + offset`) and attends each query to its sequence's
+cached context. On CUDA the Triton kernels in `splitserve.kernels` do both; on CPU the PyTorch path
+below gathers each sequence's blocks and calls `scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; shared by every layer."""
+
+    num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_ids_of_tokens: torch.Tensor  # [num_tokens] int64: slot // block_size
+    offsets_of_tokens: torch.Tensor  # [num_tokens] int64: slot % block_size
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend:
+    """Writes K/V into the cache and computes attention for one layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [N, L, 2, B, Hkv, D] → [T, Hq, D]."""
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """CPU path: gather each sequence's blocks, then attention. GQA without repeating K/V.
+
+    The cache is addressed through flat views with index_copy_/index_select, which are an order
+    of magnitude faster on CPU than advanced indexing of the 6-D tensor.
+    """
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        self._write_cache(k, v, kv_cache, layer, meta)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, layer, meta)
+        for s in range(nd, meta.num_seqs):
+            start, end = int(meta.query_start_loc[s]), int(meta.query_start_loc[s + 1])
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], kv_cache,
+                                           layer, meta, s)
+        return out
+
+    def _write_cache(self, k, v, kv_cache, layer, meta):
+        num_blocks, num_layers, _, block_size = kv_cache.shape[:4]
+        rows = kv_cache.view(-1, self.num_kv_heads * self.head_dim)  # one row per (slot, l, k/v)
+        # Row of (block b, layer l, kv, offset o) = ((b * L + l) * 2 + kv) * B + o
+        base = meta.block_ids_of_tokens * (num_layers * 2 * block_size) + meta.offsets_of_tokens
+        k_rows = base + (layer * 2) * block_size
+        rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1))
+        rows.index_copy_(0, k_rows + block_size, v.reshape(v.shape[0], -1))
+
+    def _gather(self, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, kv: int):
+        # block_table [..., n] → [..., n * B, Hkv, D]
+        flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 2, -1)[:, layer, kv]
+        blocks = flat.index_select(0, block_table.reshape(-1))
+        return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+
+    def _decode(self, q, kv_cache, layer, meta):
+        nd = meta.num_decodes
+        max_len = max(meta.seq_lens_cpu[:nd])
+        table = meta.block_tables[:nd, : -(-max_len // self.block_size)]
+        # [S, T, Hkv, D] → [S, Hkv, T, D]: the batched matmuls below want contiguous heads.
+        keys = self._gather(kv_cache, layer, table, 0)[:, :max_len].transpose(1, 2).contiguous()
+        values = self._gather(kv_cache, layer, table, 1)[:, :max_len].transpose(1, 2).contiguous()
+        group = self.num_heads // self.num_kv_heads
+        # The query heads of one KV head act as that head's "query length": [S, Hkv, G, D].
+        qg = q.view(nd, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [S, Hkv, G, T]
+        invalid = torch.arange(max_len)[None, :] >= meta.seq_lens[:nd, None]  # [S, T]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, values)  # [S, Hkv, G, D]
+        return o.reshape(nd, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, kv_cache, layer, meta, s):
+        query_len, seq_len = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
+        if query_len == seq_len:  # nothing cached before this chunk: attend to the fresh K/V
+            keys, values, mask, causal = k, v, None, True
+        else:
+            table = meta.block_tables[s, : -(-seq_len // self.block_size)]
+            keys = self._gather(kv_cache, layer, table, 0)[:seq_len]
+            values = self._gather(kv_cache, layer, table, 1)[:seq_len]
+            # Query i sits at position seq_len - query_len + i and sees positions <= that.
+            pos_q = torch.arange(seq_len - query_len, seq_len)[:, None]
+            mask, causal = torch.arange(seq_len)[None, :] <= pos_q, False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """CUDA path: our Triton kernels (see kernels/)."""
+
+    def forward(self, q, k, v, kv_cache, layer, meta):
+        from splitserve import kernels
+
+        k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
+        if nd < meta.num_seqs:
+            qsl = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
+            out[nd:] = kernels.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], qsl.to(torch.int32),
+                meta.seq_lens[nd:], self.scale)
+        return out
+
+
+def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,
+                           head_dim: int, block_size: int) -> AttentionBackend:
+    cls = TritonAttentionBackend if device.type == "cuda" else TorchAttentionBackend
+    return cls(num_heads, num_kv_heads, head_dim, block_size)

@@ -1,0 +1,314 @@
+"""OpenAI-compatible HTTP messages, shared by the instance server and the router.
+
+Requests accept OpenAI's fields plus vLLM's sampling extensions (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `priority`,
+`kv_transfer_params`, `return_token_ids`), so clients written for vLLM work unchanged (the `openai`
+client sends the extensions through `extra_body`). Range checks live on the fields, so a bad
+value is a 400 that names the field, never a 500 from deeper down. Unknown fields are ignored, as
+OpenAI and vLLM do.
+
+The router only reads and writes these models; it never imports the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+
+TokenIds = list[NonNegativeInt]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------ errors
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers."""
+
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------ requests
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    """Send one last chunk with `usage` (and no choices) before `[DONE]`."""
+    continuous_usage_stats: bool = False
+    """vLLM: put the running `usage` on every chunk."""
+
+
+class SamplingFields(OpenAIModel):
+    """Fields common to completions and chat completions (OpenAI + vLLM extensions)."""
+
+    model: str | None = None
+    """Served model name; omitted means the instance's only model."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    """0 or -1 disable top-k."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    n: Literal[1] = 1
+    """Only one choice per prompt is generated."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    """Waiting-queue priority under the `priority` policy: lower runs first (vLLM)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Passed to the engine's KV connector; the connector's answer comes back at top level."""
+    return_token_ids: bool = False
+    """Add `prompt_token_ids` and `token_ids` to each choice (vLLM); the P/D router uses it."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptInput = Annotated[
+    str | list[str] | TokenIds | list[TokenIds],
+    Field(description="text, token ids, or a batch of either"),
+]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Top logprobs per position (the sampled token's is always included)."""
+    echo: Literal[False] = False
+    """Echoing the prompt is not supported."""
+    suffix: None = None
+    """Not supported."""
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(p, list | str) and not p for p in v)):
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt, text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Deprecated by OpenAI in favour of `max_completion_tokens`; either is accepted."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ------------------------------------------------------------------------------------ responses
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    """Completions' logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionStreamChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "splitserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

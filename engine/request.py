@@ -1,0 +1,208 @@
+"""Request, RequestStatus, SamplingParams and the engine's output messages.
+
+SamplingParams and the output structs are msgspec Structs: they cross the ZMQ boundary between the
+HTTP front end and the engine-core process unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request; vLLM's names and defaults. Validated on construction."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (plus the sampled one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    """What the front end sends the engine core: tokens only, never text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the sampled token plus the top-k alternatives, for one position."""
+
+    sampled: Logprob
+    top: list[Logprob]
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request result of one engine step (only what is new since the last step)."""
+
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV transfer
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """One request as the engine core tracks it.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the tokens still to compute are
+    `all_token_ids[num_computed_tokens:]`. A running decode request has exactly one.
+    """
+
+    def __init__(self, core_request: EngineCoreRequest, eos_token_ids: frozenset[int]) -> None:
+        self.request_id = core_request.request_id
+        self.prompt_token_ids: list[int] = list(core_request.prompt_token_ids)
+        self.sampling_params = core_request.sampling_params
+        self.arrival_time = core_request.arrival_time or time.time()
+        self.priority = core_request.priority
+        self.kv_transfer_params = core_request.kv_transfer_params
+        self.eos_token_ids = frozenset() if self.sampling_params.ignore_eos else eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.num_preemptions = 0
+        self.num_external_tokens = 0  # KV tokens a connector loads for this request
+        self.block_hashes: list[bytes] = []  # chained hash of each full block (KVCacheManager)
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # Who sets this: the scheduler, when the request finishes with a KV transfer pending.
+        self.kv_transfer_result: dict[str, Any] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Token-level stop conditions (stop strings are checked by the detokenizing front end)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

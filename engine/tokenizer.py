@@ -1,0 +1,91 @@
+"""HF tokenizer (tokenizer.json via `tokenizers`), chat template, incremental detokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """The model directory's tokenizer; loads without `transformers` so the front end starts fast."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.eos_token = _token_str(self.config.get("eos_token"))
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json "
+                             "chat_template); use /v1/completions")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as err:
+            raise ValueError(f"chat template failed: {err}") from None
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|endoftext|>", ...}
+        return value.get("content")
+    return value
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted in pieces that never split a character.
+
+    Decoding token by token breaks multi-byte characters that span tokens, and decoding the whole
+    list every step is quadratic. As vLLM does, keep a short window: decode
+    `tokens[prefix_offset:]` and compare with `tokens[prefix_offset:read_offset]`; the difference
+    is new text unless it ends in U+FFFD (an incomplete character), in which case wait.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the text they completed."""
+        start = len(self.text)
+        for token in new_token_ids:
+            self.token_ids.append(token)
+            decode = self.tokenizer.decode
+            prefix = decode(self.token_ids[self.prefix_offset : self.read_offset],
+                            self.skip_special_tokens)
+            full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self.text[start:]

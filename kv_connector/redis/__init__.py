@@ -1,0 +1,1 @@
+"""Redis connector: a shared, content-addressed store of full KV blocks."""
