@@ -23,7 +23,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_ids_of_tokens: torch.Tensor  # [num_tokens] int64: slot // block_size
     offsets_of_tokens: torch.Tensor  # [num_tokens] int64: slot % block_size
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with 0 (int32 CUDA, int64 CPU)
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens_cpu: list[int]
@@ -139,7 +139,18 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
 
-def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,
+def make_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                            head_dim: int, block_size: int) -> AttentionBackend:
-    cls = TritonAttentionBackend if device.type == "cuda" else TorchAttentionBackend
-    return cls(num_heads, num_kv_heads, head_dim, block_size)
+    """`auto` → Triton on CUDA, PyTorch on CPU; `torch` / `triton` force one."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from splitserve.kernels import triton_available
+
+        if not triton_available():
+            raise ValueError("attention_backend 'triton' needs the triton package "
+                             "(pip install 'splitserve[gpu]')")
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
+    raise ValueError(f"unknown attention_backend {name!r} (known: auto, torch, triton)")

@@ -17,7 +17,11 @@ import logging
 import numpy as np
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, make_attention_backend
+from splitserve.engine.attention import (
+    AttentionMetadata,
+    TritonAttentionBackend,
+    make_attention_backend,
+)
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.config import ModelArchConfig
@@ -54,8 +58,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        backend = make_attention_backend(self.device, arch.num_heads, arch.num_kv_heads,
-                                         arch.head_dim, self.block_size)
+        backend = make_attention_backend(config.attention_backend, self.device, arch.num_heads,
+                                         arch.num_kv_heads, arch.head_dim, self.block_size)
+        self.uses_triton = isinstance(backend, TritonAttentionBackend)
         self.model = load_model(config.model.model, arch, max_model_len, backend, self.dtype,
                                 self.device)
         self.num_blocks = self._num_blocks(max_model_len)
@@ -107,7 +112,9 @@ class ModelRunner:
         query_lens = [s.num_tokens for s in batch]
         seq_lens = [s.num_computed_tokens + s.num_tokens for s in batch]
         max_blocks = max(cdiv(n, bs) for n in seq_lens)
-        block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+        # int32 for the Triton kernels; int64 on CPU, where index_select is 5x faster with it.
+        table_dtype = np.int32 if self.uses_triton else np.int64
+        block_tables = np.zeros((len(batch), max_blocks), dtype=table_dtype)
         ids, pos = [], []
         for i, s in enumerate(batch):
             table = s.block_ids[: cdiv(seq_lens[i], bs)]

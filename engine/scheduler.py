@@ -72,6 +72,10 @@ class Scheduler:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             request = self.requests.get(rid)
+            if rid in self.sending:  # producer: nobody will pull these blocks (stop on t0)
+                self.kv.free(self.sending.pop(rid))
+                self.requests.pop(rid, None)
+                continue
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:

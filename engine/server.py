@@ -203,10 +203,9 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
         try:
             response = await until_disconnect(request, run(body, base_id))
         except RequestRejectedError as err:
-            status = 503 if err.code == "queue_full" else 400
-            raise APIError(status, str(err), code=err.code,
-                           type_="server_busy" if status == 503 else "invalid_request_error"
-                           ) from None
+            if err.code == "queue_full":
+                raise APIError(503, str(err), code=err.code, type_="server_busy") from None
+            raise APIError(400, str(err), param="prompt", code=err.code) from None
         except EngineDeadError as err:
             raise APIError(503, f"engine unavailable: {err}", code="engine_dead",
                            type_="service_unavailable") from None

@@ -253,7 +253,8 @@ class OpenAIServing:
         elif prompt_len < max_len and prompt_len + max_tokens > max_len:
             raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "
                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the "
-                           f"prompt, {max_tokens} in the completion)", param="max_tokens",
+                           f"prompt, {max_tokens} in the completion); lower max_tokens",
+                           param="max_tokens",
                            code="context_length_exceeded")
         try:
             return SamplingParams(

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
+
 from splitserve.kv_connector.config import ConnectorOptions, KVTransferConfig, validate_options
 from splitserve.kv_connector.metrics import KVTransferStats
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
+
 from splitserve.kv_connector.base import EngineInfo, KVConnectorRole
 from splitserve.kv_connector.config import KVTransferConfig
 from splitserve.kv_connector.layout import block_bytes, cdiv
@@ -109,7 +110,7 @@ class SimEngine:
             block_size=shape.block_size,
             num_blocks=num_blocks,
             block_nbytes=shape.block_nbytes,
-            model_fingerprint=f"sim-{shape}",
+            model_fingerprint=xxhash.xxh64_hexdigest(repr(shape).encode()),
             device="cpu",
         )
         self.kv_cache = sim_kv_cache(shape, num_blocks, seed)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 from pydantic import Field
+
 from splitserve.kv_connector.base import (
     EngineInfo,
     KVConnectorBase,
@@ -401,8 +402,11 @@ class P2PConnectorBase(KVConnectorBase):
         self._thread = None
 
     def _submit(self, kind: str, item: Any) -> None:
-        if self._thread is None:
+        """Hand work or a transport event to the I/O thread (any thread)."""
+        if self.channel is None:
             raise RuntimeError("register_kv_caches must be called before transfers")
+        if self._stop.is_set():
+            return  # shutting down: nobody will read it
         self._inbox.put((kind, item))
         assert self.channel is not None
         self.channel.wake()
@@ -499,18 +503,31 @@ class P2PConnectorBase(KVConnectorBase):
                 block_nbytes=info.block_nbytes,
                 num_blocks=info.num_blocks,
             )
-            try:
-                reply.transport = self._io_hello(message)
-            except Exception as e:
-                logger.exception("KV handshake from %s failed", message.engine_id)
-                reply.error = f"producer {self.engine_id} handshake failed: {e}"
+            ours = (
+                self.config.connector,
+                info.model_fingerprint,
+                info.block_size,
+                info.block_nbytes,
+            )
+            theirs = (
+                message.connector,
+                message.model_fingerprint,
+                message.block_size,
+                message.block_nbytes,
+            )
+            if ours == theirs:  # else the consumer explains the mismatch from our reply
+                try:
+                    reply.transport = self._io_hello(message)
+                except Exception as e:
+                    logger.exception("KV handshake from %s failed", message.engine_id)
+                    reply.error = f"producer {self.engine_id} handshake failed: {e}"
             self.channel.reply(identity, seq, reply)
         elif isinstance(message, Release):
             held = self._io_lookup(identity, seq, message)
             if isinstance(held, str):
                 self.channel.reply(identity, seq, ReleaseReply(held=False, error=held))
             elif held is not None:
-                sums = held.checksums if message.want_checksums else None
+                sums = self._io_checksums(held) if message.want_checksums else None
                 if message.loaded:
                     nbytes = len(held.block_ids) * self.engine_info.block_nbytes
                     self.stats.bytes_saved += nbytes
@@ -531,6 +548,13 @@ class P2PConnectorBase(KVConnectorBase):
             return f"producer {self.engine_id} no longer holds request {rid}: {self._gone[rid]}"
         self._deferred.append(_Deferred(identity, seq, message, time.monotonic() + self.timeout_s))
         return None
+
+    def _io_checksums(self, held: _Held) -> list[int]:
+        """Checksums taken when the hold began (verify on here), else of the held blocks now."""
+        if held.checksums is None:
+            assert self.blocks is not None
+            held.checksums = block_checksums(self.blocks, held.block_ids)
+        return held.checksums
 
     def _io_unhold(self, request_id: str, why: str) -> None:
         self._held.pop(request_id, None)
@@ -565,9 +589,17 @@ class P2PConnectorBase(KVConnectorBase):
         peer = self._peers.get(address)
         if peer is None:
             peer = self._peers[address] = Peer(address, spec.remote_engine_id)
+            info = self.engine_info
+            hello = Hello(
+                engine_id=self.engine_id,
+                connector=self.config.connector,
+                model_fingerprint=info.model_fingerprint,
+                block_size=info.block_size,
+                block_nbytes=info.block_nbytes,
+            )
             self._io_call(
                 address,
-                Hello(engine_id=self.engine_id, connector=self.config.connector),
+                hello,
                 lambda r: self._io_on_hello(peer, r),
                 lambda e: self._io_peer_failed(peer, f"handshake: {e}"),
             )
@@ -604,7 +636,7 @@ class P2PConnectorBase(KVConnectorBase):
                 f"bytes, this engine's {info.block_size}/{info.block_nbytes}"
             )
         if problem is not None:
-            self._io_peer_failed(peer, problem)
+            self._io_peer_failed(peer, problem, release=True)  # it is alive: let it free
             return
         peer.info = reply
         try:
@@ -622,7 +654,9 @@ class P2PConnectorBase(KVConnectorBase):
             if self._loads.get(load.spec.request_id) is load:
                 self._guard_load(load, self._io_begin_load, load)
 
-    def _io_peer_failed(self, peer: Peer, reason: str) -> None:
+    def _io_peer_failed(self, peer: Peer, reason: str, release: bool = False) -> None:
+        """Drop a producer and fail its loads; `release` tells it to free their blocks (when it
+        is alive but unusable, e.g. a different model)."""
         if peer.state == "dead":
             return
         peer.state = "dead"
@@ -634,10 +668,19 @@ class P2PConnectorBase(KVConnectorBase):
             self._io_disconnect(peer)
         except Exception:
             logger.exception("KV disconnect from %s failed", peer.address)
-        for load in [ld for ld in self._loads.values() if ld.peer is peer]:
+        loads = [ld for ld in self._loads.values() if ld.peer is peer]
+        for load in loads:
             self._io_fail(load, reason, release=False)
         assert self.channel is not None
         self.channel.drop(peer.address, reason)
+        if release:
+            for load in loads:
+                self._io_call(
+                    peer.address,
+                    Release(request_id=load.spec.remote_request_id),
+                    lambda r: None,
+                    lambda e: None,
+                )
 
     def _guard_load(self, load: Load, fn: Any, *args: Any) -> None:
         try:

@@ -47,18 +47,29 @@ def register_connector(name: str, target: str) -> None:
 
 
 def connector_class(name: str, module_path: str | None = None) -> type[KVConnectorBase]:
-    """The class registered under `name` (registering `module_path` first when given)."""
-    from splitserve.kv_connector.base import KVConnectorBase
-
+    """The class registered under `name` (registering `module_path` under it first when given)."""
     if module_path is not None:
+        current = _registry.get(name)
+        if current is not None and current != module_path:
+            register_connector(name, module_path)  # raises: the name is taken
+        cls = _load(name, module_path)
         register_connector(name, module_path)
+        return cls
     target = _registry.get(name)
     if target is None:
         raise ValueError(
             f"unknown connector {name!r} (known: {', '.join(known_connectors())}; "
             "an out-of-tree one needs module_path: 'package.module:Class')"
         )
-    module_name, _, cls_name = target.partition(":")
+    return _load(name, target)
+
+
+def _load(name: str, target: str) -> type[KVConnectorBase]:
+    from splitserve.kv_connector.base import KVConnectorBase
+
+    module_name, sep, cls_name = target.partition(":")
+    if not (module_name and sep and cls_name):
+        raise ValueError(f"connector target must look like 'package.module:Class', got {target!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -7,8 +7,8 @@ connector's I/O thread: ZMQ sockets are not thread-safe, and nothing here ever b
 
 ```
 consumer                                   producer
-Hello(engine id) ────────────────────────▶ answers its layout + transport info
-          ◀──────────────── HelloReply     (the consumer decides whether they are compatible)
+Hello(engine id, layout) ────────────────▶ same model and block layout? its transport info
+          ◀──────────────── HelloReply     (the consumer checks compatibility again)
 Release(request id) ─────────────────────▶ held? free it (done_sending), else "no longer holds"
           ◀──────────────── ReleaseReply   (+ checksums taken when the hold began)
 ```
@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     engine_id: str  # the caller's
     connector: str
+    model_fingerprint: str
+    block_size: int
+    block_nbytes: int
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", kw_only=True):

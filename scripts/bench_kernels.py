@@ -17,6 +17,7 @@ so a fast wrong kernel cannot go unnoticed. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import time
 import json
 import math
 import statistics
@@ -209,11 +210,35 @@ def print_tables(results: dict[str, Any]) -> None:
         )
 
 
+def bench_engine(model_dir: str, batch: int = 64, input_len: int = 128,
+                 output_len: int = 256) -> dict[str, Any]:
+    """The whole engine on CUDA (Triton backend): decode throughput of `batch` requests."""
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", device="cuda", kv_cache_memory="8GiB",
+              max_model_len=input_len + output_len + 1)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 3 for j in range(input_len)]}
+               for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return {"model": model_dir, "batch": batch, "input_len": input_len,
+            "output_len": output_len, "seconds": elapsed,
+            "output_tokens_per_s": batch * output_len / elapsed}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results.json", help="where to write the JSON results")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--engine-model", default=None,
+                        help="model dir for the engine decode benchmark (e.g. the small preset "
+                             "from make_tiny_model.py --preset small); skipped when unset")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -238,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [bench_decode(c, copy["gb_per_s"], args.warmup, args.reps) for c in DECODE_CASES],
         "prefill": [bench_prefill(c, args.warmup, args.reps) for c in PREFILL_CASES],
     }
+    if args.engine_model:
+        results["engine"] = bench_engine(args.engine_model)
+        print(f"engine decode: {results['engine']['output_tokens_per_s']:.0f} output tok/s")
     print_tables(results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+
 from splitserve.kv_connector.layout import contiguous_runs, set_loopback_env
 from splitserve.kv_connector.p2p import Load, P2PConnectorBase, P2POptions, Peer
 from splitserve.kv_connector.side_channel import Hello, HelloReply
@@ -60,6 +61,7 @@ class SendRequest(msgspec.Struct, tag="send_request", kw_only=True):
     block_offset: int
     dst_block_ids: list[int]
     tag: int
+    want_checksums: bool = False
 
 
 class SendReply(msgspec.Struct, tag="send_reply", kw_only=True):
@@ -225,7 +227,7 @@ class NcclConnector(P2PConnectorBase):
             time.monotonic(),
         )
         pair.jobs.put(job)
-        sums = held.checksums if self.config.verify else None
+        sums = self._io_checksums(held) if message.want_checksums else None
         self.channel.reply(identity, seq, SendReply(ok=True, checksums=sums))
 
     def _io_refusal(self, message: Any, reason: str) -> Any:
@@ -255,6 +257,7 @@ class NcclConnector(P2PConnectorBase):
                 block_offset=spec.block_offset,
                 dst_block_ids=spec.local_block_ids,
                 tag=tag,
+                want_checksums=self.config.verify,
             ),
             lambda r: self._io_on_send_reply(load, pair, tag, r),
             lambda e: self._io_fail(load, f"asking the producer to send: {e}"),

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 from pydantic import Field
+
 from splitserve.kv_connector.layout import set_loopback_env
 from splitserve.kv_connector.p2p import Load, P2PConnectorBase, P2POptions, Peer
 from splitserve.kv_connector.side_channel import Hello, HelloReply
@@ -74,13 +75,17 @@ class NixlConnector(P2PConnectorBase):
 
     def _io_setup(self, kv_cache: torch.Tensor) -> None:
         set_loopback_env(self.bind_host, ("UCX_NET_DEVICES",))
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout by default
+        quiet = "NIXL_LOG_LEVEL" not in os.environ
+        if quiet:  # NIXL logs INFO lines to stdout by default
+            os.environ["NIXL_LOG_LEVEL"] = "WARN"
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise RuntimeError(
                 "connector 'nixl' needs the nixl package: pip install 'splitserve[nixl]'"
             ) from e
+        if quiet:  # in case nixl was imported (and configured its logger) before
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         info = self.engine_info
         self._agent_name = f"{self.engine_id}-{uuid.uuid4().hex[:8]}"
         config = nixl_agent_config(

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 import xxhash
 from pydantic import Field
+
 from splitserve.kv_connector.base import (
     EngineInfo,
     KVConnectorBase,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free, tiny_model_dir
+from testutil import assert_all_blocks_free, tiny_model_dir
 
 from splitserve import LLM, SamplingParams
 

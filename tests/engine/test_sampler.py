@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from testutil import assert_all_blocks_free
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.request import EngineCoreRequest, Request

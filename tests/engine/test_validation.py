@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_all_blocks_free
+from testutil import assert_all_blocks_free
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.config import EngineConfig, parse_bytes

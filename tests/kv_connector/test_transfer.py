@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from kvc_helpers import RedisServer, nixl_missing
+
 from splitserve.kv_connector.driver import PRESETS, RemoteEngine, sim_kv_cache
 
 SHAPE = PRESETS["tiny"]  # 4 layers, 4 kv heads, head_dim 32, block 16: 64 KiB blocks (fp32)
@@ -253,12 +254,18 @@ def test_killed_producer_fails_loads(connector: str) -> None:
         late = _prompt(40)
         late_out = p.call("prefill", "p-late", late, {"do_remote_decode": True})
         d.call("load", "d-big", big + [1], big_out["params"])
+        time.sleep(0.005 if connector == "nixl" else 0.015)  # let the transfer get going
         p.kill()
         started = time.monotonic()
         d.call("load", "d-late", late + [1], late_out["params"])
         status = _wait_loaded(d, ["d-big", "d-late"], timeout=4 * TIMEOUT_S + 10)
         assert time.monotonic() - started < 3 * TIMEOUT_S + 5
         assert "d-late" in status["failed"], status
+        print(
+            f"after kill ({time.monotonic() - started:.2f}s):",
+            status["failed"],
+            sorted(status["done_recving"]),
+        )
         if "d-big" in status["done_recving"]:  # it finished before the kill: bytes must be right
             expected = sim_kv_cache(SHAPE, 1100, P_SEED)
             src = big_out["block_ids"]

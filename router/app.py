@@ -1,0 +1,199 @@
+"""The router's HTTP app: the one OpenAI-compatible endpoint clients see.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`, `POST /register` / `DELETE /register` (`{"url", "role"}`).
+
+The router validates a body with the same protocol models the instances use, but only to know
+whether it is valid: an invalid body is forwarded untouched to an instance, whose error answer
+(status and bytes) goes back to the client, so errors through the router read exactly as errors
+from an instance. The optional API key and the body-size limit are checked here first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from splitserve.engine.fleet import FleetConfig, RouterConfig
+from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from splitserve.router.pd import FleetProxy, NoInstance
+from splitserve.router.policies import make_policy
+from splitserve.router.registry import ROLES, InstanceRegistry
+from splitserve.router.upstream import error_response, make_client
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI:
+    """A router over `instances` ((url, role) pairs; more may register at run time)."""
+    client = make_client(config.connect_timeout_s, config.request_timeout_s)
+    registry = InstanceRegistry(client, config.health_interval_s)
+    for url, role in instances:
+        registry.add(url, role)
+    metrics = RouterMetrics()
+    policies = {"prefill": make_policy(config.prefill_policy),
+                "decode": make_policy(config.decode_policy),
+                "colocated": make_policy(config.colocated_policy)}
+    proxy = FleetProxy(client, registry, policies, metrics, config.prefill_retries)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await registry.check_all()
+        registry.start()
+        yield
+        await registry.stop()
+        await client.aclose()
+
+    app = FastAPI(title="splitserve router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith(("/v1/", "/register")):
+            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+                return error_response(401, "invalid or missing API key (send "
+                                      "'Authorization: Bearer <key>')", "invalid_api_key")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > config.max_body_bytes:
+            return error_response(413, f"request body larger than {config.max_body_bytes} "
+                                  "bytes (router.max_body_bytes)", "request_too_large")
+        return await call_next(request)
+
+    async def handle(request: Request, model: type[BaseModel], chat: bool) -> Response:
+        started = time.perf_counter()
+        raw = await request.body()
+        if len(raw) > config.max_body_bytes:
+            return error_response(413, f"request body larger than {config.max_body_bytes} "
+                                  "bytes (router.max_body_bytes)", "request_too_large")
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        body = _valid_body(raw, model)
+        mode = "colocated" if proxy.colocated else "pd"
+        metrics.requests.labels(request.url.path, mode).inc()
+        response = await _until_disconnect(
+            request, proxy.handle(request.url.path, raw, body, chat, request_id, started))
+        return response if response is not None else Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, ChatCompletionRequest, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for role in ("colocated", "decode", "prefill"):
+            for inst in registry.healthy(role):
+                try:
+                    r = await client.get(f"{inst.url}/v1/models")
+                    return Response(r.content, status_code=r.status_code,
+                                    media_type="application/json")
+                except Exception as err:  # noqa: BLE001 - try the next one
+                    logger.warning("/v1/models on %s failed: %s", inst.url, err)
+        return error_response(503, "no healthy instance", "no_healthy_instance",
+                              "service_unavailable")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        described = [i.describe() for i in registry.all()]
+        if proxy.colocated:
+            ok = bool(registry.healthy("colocated"))
+        else:
+            ok = bool(registry.healthy("decode"))  # prefill down: decode-only still serves
+        return JSONResponse({"status": "ok" if ok else "degraded", "instances": described},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/register")
+    async def register(request: Request) -> Response:
+        url, role, err = await _url_role(request)
+        if err is not None:
+            return err
+        inst = registry.add(url, role)
+        await registry.check(inst)
+        return JSONResponse(inst.describe())
+
+    @app.delete("/register")
+    async def deregister(request: Request) -> Response:
+        url, _, err = await _url_role(request, need_role=False)
+        if err is not None:
+            return err
+        if not registry.remove(url):
+            return error_response(404, f"instance {url!r} is not registered", "not_found",
+                                  param="url")
+        return JSONResponse({"url": url, "removed": True})
+
+    return app
+
+
+def build_fleet_app(fleet: FleetConfig) -> FastAPI:
+    return build_app(fleet.router, [(url, role) for role, _, url in fleet.instances()])
+
+
+def _valid_body(raw: bytes, model: type[BaseModel]) -> dict[str, Any] | None:
+    """The body as a dict if an instance would accept it, else None (forwarded for the error)."""
+    try:
+        data = msgspec.json.decode(raw)
+        if not isinstance(data, dict):
+            return None
+        model.model_validate(data)
+    except (msgspec.DecodeError, ValidationError):
+        return None
+    return data
+
+
+async def _url_role(request: Request, need_role: bool = True
+                    ) -> tuple[str, str, Response | None]:
+    try:
+        data = msgspec.json.decode(await request.body())
+        url, role = data.get("url"), data.get("role", "")
+    except (msgspec.DecodeError, AttributeError):
+        return "", "", error_response(400, "body must be a JSON object {\"url\", \"role\"}",
+                                      "invalid_json")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return "", "", error_response(400, "url: must be an http(s) URL", "invalid_value",
+                                      param="url")
+    if need_role and role not in ROLES:
+        return "", "", error_response(400, f"role: must be one of {', '.join(ROLES)}",
+                                      "invalid_value", param="role")
+    return url, role, None
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response | None:
+    """Run `work`; if the client leaves first, cancel it (closing the instance connections,
+    which makes the instances abort the request and free its blocks)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, NoInstance, Exception):
+        pass
+    return None

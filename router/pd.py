@@ -1,0 +1,276 @@
+"""One request through the fleet (DESIGN §2): prefill on P, t0 to the client, decode on D.
+
+```
+client ─▶ router ── body, max_tokens 1, do_remote_decode ─▶ P   (retry another P on failure)
+                 ◀── t0, prompt_token_ids, kv_transfer_params ──
+client ◀── t0 (first SSE chunk, at once)
+                 ── prompt_token_ids + [t0], do_remote_prefill, streaming ─▶ D
+client ◀── t1, t2, … (rewritten in the client's format)
+```
+
+No prefill instance answers → decode-only: the client's original body goes to D, which
+prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer comes from P alone
+and P's held blocks are freed when its lease runs out (the router has no release call).
+Colocated fleets skip all of this: the body goes to one instance and its answer comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi.responses import Response, StreamingResponse
+
+from splitserve.router import convert
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import RoutingPolicy
+from splitserve.router.registry import Instance, InstanceRegistry
+from splitserve.router.upstream import (
+    DONE,
+    InstanceError,
+    InstanceUnavailable,
+    error_response,
+    open_stream,
+    post_json,
+    relay,
+    sse,
+    sse_error,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NoInstance(Exception):
+    """No healthy instance of a role."""
+
+
+class FleetProxy:
+    def __init__(self, client: httpx.AsyncClient, registry: InstanceRegistry,
+                 policies: dict[str, RoutingPolicy], metrics: RouterMetrics,
+                 prefill_retries: int = 1) -> None:
+        self.client, self.registry, self.policies = client, registry, policies
+        self.metrics, self.prefill_retries = metrics, prefill_retries
+
+    # ------------------------------------------------------------------ picking
+    def pick(self, role: str, prompt: Any = None, exclude: set[str] | None = None) -> Instance:
+        candidates = [i for i in self.registry.healthy(role) if i.url not in (exclude or ())]
+        if not candidates:
+            raise NoInstance(f"no healthy {role} instance")
+        inst = self.policies[role].choose(candidates, prompt)
+        self.policies[role].served(inst, prompt)
+        return inst
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.registry.healthy("colocated")) or not (
+            any(i.role in ("prefill", "decode") for i in self.registry.all()))
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, path: str, raw: bytes, body: dict[str, Any] | None, chat: bool,
+                     request_id: str, started: float) -> Response:
+        """`body` is the parsed, valid request; None (invalid) goes to an instance as is."""
+        prompt = _prompt_key(body, chat)
+        batch = body is not None and not chat and isinstance(body.get("prompt"), list) and (
+            body["prompt"] and not isinstance(body["prompt"][0], int) and len(body["prompt"]) > 1)
+        try:
+            if self.colocated:
+                return await self.forward("colocated", path, raw, request_id, prompt, started)
+            if body is None or batch:  # errors, or batches: let one instance do it all
+                return await self.forward("decode", path, raw, request_id, prompt, started)
+            return await self.disaggregated(path, raw, body, chat, request_id, prompt, started)
+        except NoInstance as err:
+            self.metrics.errors.labels("no_instance").inc()
+            return error_response(503, str(err), "no_healthy_instance", "service_unavailable",
+                                  request_id=request_id)
+        except InstanceError as err:
+            self.metrics.errors.labels("instance_4xx").inc()
+            return err.response(request_id)
+
+    async def forward(self, role: str, path: str, raw: bytes, request_id: str, prompt: Any,
+                      started: float) -> Response:
+        """Send the body unchanged to an instance of `role` (another one if it is down)."""
+        tried: set[str] = set()
+        while True:
+            inst = self.pick(role, prompt, tried)
+            tried.add(inst.url)
+            inst.in_flight += 1
+            try:
+                upstream = await open_stream(self.client, inst, path, raw, request_id)
+            except InstanceUnavailable as err:
+                inst.in_flight -= 1
+                self.registry.mark_down(inst, str(err))
+                self.metrics.retries.inc()
+                continue
+            except BaseException:
+                inst.in_flight -= 1
+                raise
+            return relay(upstream, request_id, self._closer(inst, started))
+
+    def _closer(self, inst: Instance, started: float) -> Any:
+        def on_close(failure: Exception | None) -> None:
+            inst.in_flight -= 1
+            self.metrics.latency.observe(time.perf_counter() - started)
+            if failure is not None:
+                self.metrics.errors.labels("stream_broken").inc()
+                self.registry.mark_down(inst, f"stream broke: {failure}")
+        return on_close
+
+    # ------------------------------------------------------------------ P/D
+    async def prefill(self, path: str, body: dict[str, Any], chat: bool, request_id: str,
+                      prompt: Any) -> dict[str, Any] | None:
+        """t0 from a prefill instance, trying up to 1 + prefill_retries of them; None: none."""
+        p_body, tried = convert.prefill_body(body, chat), set()
+        for attempt in range(1 + self.prefill_retries):
+            try:
+                inst = self.pick("prefill", prompt, tried)
+            except NoInstance:
+                break
+            tried.add(inst.url)
+            if attempt:
+                self.metrics.retries.inc()
+            inst.in_flight += 1
+            try:
+                answer = await post_json(self.client, inst, path, p_body, request_id)
+                return convert.prefill_result(answer, chat)
+            except InstanceUnavailable as err:
+                logger.warning("%s: prefill on %s failed: %s", request_id, inst.url, err)
+                self.registry.mark_down(inst, str(err))
+            finally:
+                inst.in_flight -= 1
+        return None
+
+    async def disaggregated(self, path: str, raw: bytes, body: dict[str, Any], chat: bool,
+                            request_id: str, prompt: Any, started: float) -> Response:
+        t0 = await self.prefill(path, body, chat, request_id, prompt)
+        if t0 is None:
+            logger.warning("%s: no prefill instance answered: decode-only", request_id)
+            self.metrics.fallbacks.inc()
+            return await self.forward("decode", path, raw, request_id, prompt, started)
+        model = body.get("model") or self._model_name()
+        stream = bool(body.get("stream"))
+        self.metrics.ttft.observe(time.perf_counter() - started)
+        if convert.stops_at_t0(body, chat, t0):
+            self.metrics.latency.observe(time.perf_counter() - started)
+            if stream:
+                return self._sse(self._t0_only(body, chat, request_id, model, t0), request_id)
+            out = convert.full_response(body, chat, request_id, model, t0, None)
+            return _json(out, request_id)
+        d_body = convert.decode_body(body, chat, t0, stream)
+        if not stream:
+            d_inst = self.pick("decode", t0["prompt_token_ids"])
+            d_inst.in_flight += 1
+            try:
+                rest = await post_json(self.client, d_inst, "/v1/completions", d_body,
+                                       request_id)
+            except InstanceUnavailable as err:
+                self.registry.mark_down(d_inst, str(err))
+                self.metrics.errors.labels("decode_failed").inc()
+                return error_response(502, f"decode instance failed: {err}", "decode_failed",
+                                      "server_error", request_id=request_id)
+            finally:
+                d_inst.in_flight -= 1
+            self.metrics.latency.observe(time.perf_counter() - started)
+            return _json(convert.full_response(body, chat, request_id, model, t0, rest),
+                         request_id)
+        chunks = self._stream(body, chat, request_id, model, t0, d_body, started)
+        return self._sse(chunks, request_id)
+
+    def _sse(self, chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Request-Id": request_id})
+
+    async def _t0_only(self, body: dict[str, Any], chat: bool, request_id: str, model: str,
+                       t0: dict[str, Any]) -> AsyncIterator[bytes]:
+        out = convert.ClientChunks(body, chat, request_id, model)
+        if chat:
+            yield sse(out.role())
+        yield sse(out.tokens(t0["text"], t0["token_ids"], t0["finish_reason"],
+                             t0["stop_reason"], t0["logprobs"] if not chat else None))
+        if out.include_usage:
+            yield sse(out.usage(len(t0["prompt_token_ids"]), len(t0["token_ids"]),
+                                t0["cached_tokens"]))
+        yield DONE
+
+    async def _stream(self, body: dict[str, Any], chat: bool, request_id: str, model: str,
+                      t0: dict[str, Any], d_body: dict[str, Any],
+                      started: float) -> AsyncIterator[bytes]:
+        """t0 at once, then D's tokens; a D failure becomes an error event, never a hang."""
+        out = convert.ClientChunks(body, chat, request_id, model)
+        if chat:
+            yield sse(out.role())
+        yield sse(out.tokens(t0["text"], t0["token_ids"], None, None,
+                             t0["logprobs"] if not chat else None))
+        n_prompt, n_out = len(t0["prompt_token_ids"]), len(t0["token_ids"])
+        d_inst, response = None, None
+        try:
+            d_inst = self.pick("decode", t0["prompt_token_ids"])
+            d_inst.in_flight += 1
+            response = await open_stream(self.client, d_inst, "/v1/completions",
+                                         msgspec.json.encode(d_body), request_id)
+            async for event in _events(response):
+                if "error" in event:
+                    yield sse(event)
+                    break
+                if event.get("usage") and not event.get("choices"):
+                    n_out += event["usage"]["completion_tokens"]
+                    continue
+                c = event["choices"][0]
+                yield sse(out.tokens(c.get("text", ""), c.get("token_ids") or [],
+                                     c.get("finish_reason"), c.get("stop_reason"),
+                                     c.get("logprobs")))
+            if out.include_usage:
+                yield sse(out.usage(n_prompt, n_out, t0["cached_tokens"]))
+        except NoInstance as err:
+            self.metrics.errors.labels("no_instance").inc()
+            yield sse_error(str(err), "no_healthy_instance")
+        except InstanceError as err:
+            self.metrics.errors.labels("decode_4xx").inc()
+            yield sse(msgspec.json.decode(err.body) if err.body else {"error": {}})
+        except (InstanceUnavailable, httpx.HTTPError) as err:
+            self.metrics.errors.labels("decode_failed").inc()
+            if d_inst is not None:
+                self.registry.mark_down(d_inst, str(err))
+            yield sse_error(f"decode instance failed: {type(err).__name__}: {err}",
+                            "decode_failed")
+        finally:
+            if response is not None:
+                await response.aclose()
+            if d_inst is not None:
+                d_inst.in_flight -= 1
+            self.metrics.latency.observe(time.perf_counter() - started)
+        yield DONE
+
+    def _model_name(self) -> str:
+        for inst in self.registry.all():
+            if inst.model:
+                return inst.model
+        return "unknown"
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                return
+            yield msgspec.json.decode(line[6:])
+
+
+def _json(payload: dict[str, Any], request_id: str) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json",
+                    headers={"X-Request-Id": request_id})
+
+
+def _prompt_key(body: dict[str, Any] | None, chat: bool) -> Any:
+    """What prefix_aware hashes: the prompt text/ids, or the chat messages flattened."""
+    if body is None:
+        return None
+    if chat:
+        msgs = body.get("messages") or []
+        return "".join(f"<{m.get('role')}>{m.get('content')}" for m in msgs
+                       if isinstance(m, dict))
+    return body.get("prompt")

@@ -1,0 +1,102 @@
+"""Producer and consumer in one process (two NIXL agents / two gloo ranks on threads): cheap
+checks of the protocol paths that need no process boundary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from kvc_helpers import nixl_missing
+
+from splitserve.kv_connector.driver import PRESETS, KVShape, SimEngine
+from splitserve.kv_connector.side_channel import release_remote_kv
+
+SHAPE = PRESETS["tiny"]
+
+
+def _engine(
+    connector: str, role: str, engine_id: str, shape: KVShape = SHAPE, **extra: object
+) -> SimEngine:
+    config = {"connector": connector, "kv_role": role, "options": {"timeout_s": 2.0}, **extra}
+    return SimEngine(config, shape, 32, engine_id, seed=hash(engine_id) % 1000)
+
+
+def _step_until(engines: list[SimEngine], done: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, [e.status() for e in engines]
+        for e in engines:
+            e.step()
+        time.sleep(0.001)
+
+
+@pytest.fixture(params=["nixl", "nccl"])
+def connector(request: pytest.FixtureRequest) -> str:
+    if request.param == "nixl" and (why := nixl_missing()):
+        pytest.skip(why)
+    return request.param
+
+
+@pytest.fixture
+def producer(connector: str) -> Iterator[SimEngine]:
+    p = _engine(connector, "producer", f"p-{connector}")
+    yield p
+    p.shutdown()
+
+
+def test_release_remote_kv_frees_held_blocks_early(producer: SimEngine) -> None:
+    """Stop on t0: the router tells the producer nobody will pull the blocks."""
+    params = producer.prefill("r1", list(range(40)), {"do_remote_decode": True})["params"]
+    producer.step()  # the hold begins
+    held = {}
+
+    def release() -> bool:
+        held["r1"] = release_remote_kv(params, timeout_s=5)
+        return True
+
+    import threading
+
+    t = threading.Thread(target=release)
+    t.start()
+    _step_until([producer], lambda: "r1" in producer.done_sending)
+    t.join(5)
+    assert held == {"r1": True}
+    assert len(producer.free) == 32
+    assert release_remote_kv(params, timeout_s=2) is False  # already released
+
+
+def test_model_mismatch_fails_the_load_with_a_reason(connector: str, producer: SimEngine) -> None:
+    other = KVShape(num_layers=2, num_kv_heads=4, head_dim=32)
+    consumer = _engine(connector, "consumer", f"d-{connector}", shape=other)
+    try:
+        params = producer.prefill("r1", list(range(40)), {"do_remote_decode": True})["params"]
+        assert consumer.load("d1", list(range(41)), params) == 40
+        _step_until([producer, consumer], lambda: "d1" in consumer.failed)
+        assert "model fingerprint" in consumer.failed["d1"]
+        assert "d1" not in consumer.done_recving
+        _step_until([producer, consumer], lambda: "r1" in producer.done_sending)  # released
+    finally:
+        consumer.shutdown()
+
+
+def test_one_handshake_serves_many_loads(connector: str, producer: SimEngine) -> None:
+    consumer = _engine(connector, "consumer", f"d-{connector}", verify=True)
+    try:
+        rids = [f"r{i}" for i in range(5)]
+        outs = {
+            r: producer.prefill(r, list(range(i, i + 20 + 7 * i)), {"do_remote_decode": True})
+            for i, r in enumerate(rids)
+        }
+        for i, r in enumerate(rids):
+            consumer.load(f"d{r}", list(range(i, i + 21 + 7 * i)), outs[r]["params"])
+        _step_until([producer, consumer], lambda: len(consumer.done_recving) == 5)
+        assert not consumer.failed
+        for r in rids:
+            src = outs[r]["block_ids"]
+            dst = consumer.block_ids(f"d{r}")[: len(src)]
+            assert producer.block_data(src) == consumer.block_data(dst)
+        assert len(consumer.worker._peers) == 1  # type: ignore[attr-defined]
+        _step_until([producer, consumer], lambda: len(producer.free) == 32)
+    finally:
+        consumer.shutdown()
