@@ -11,8 +11,8 @@ server:            # ServerConfig: host, port, max_body_bytes, max_waiting, role
 ```
 
 Flags override the file. A bad config prints one line naming the field and exits with status 2.
-Subcommands live in `SUBCOMMANDS`; the prefill and decode roles add theirs there, reusing
-`add_engine_args` and `build_instance_config`.
+Subcommands: `serve` here, `prefill` and `decode` from their packages (`prefill/role.py`,
+`decode/role.py`: `add_args` and `run`); more can be added to `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ _ENGINE_FLAGS: dict[str, tuple[str | None, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "policy": ("scheduler", "policy"),
     "device": (None, "device"),
+    "attention_backend": (None, "attention_backend"),
     "num_threads": (None, "num_threads"),
     "seed": (None, "seed"),
 }
@@ -72,12 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int)
     g.add_argument("--kv-cache-memory", help="bytes for the KV cache, e.g. 512MiB")
     g.add_argument("--num-blocks", type=int, help="override the derived KV block count")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
     g.add_argument("--policy", choices=["fcfs", "priority"])
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     g.add_argument("--num-threads", type=int, help="torch threads of the engine core")
     g.add_argument("--seed", type=int)
 
@@ -89,8 +90,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int)
     g.add_argument("--max-waiting", type=int, help="waiting-queue bound (503 past it)")
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error", "critical"])
+    g.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
 
 
 def build_instance_config(args: argparse.Namespace, role: str | None = None) -> InstanceConfig:
@@ -99,8 +101,10 @@ def build_instance_config(args: argparse.Namespace, role: str | None = None) -> 
     data = load_yaml(args.config) if args.config else {}
     unknown = sorted(set(data) - {"engine", "server"})
     if unknown:
-        raise ValueError(f"invalid configuration in {source}: unknown section(s) "
-                         f"{', '.join(unknown)} (known: engine, server)")
+        raise ValueError(
+            f"invalid configuration in {source}: unknown section(s) "
+            f"{', '.join(unknown)} (known: engine, server)"
+        )
     engine = _section(data, "engine", source)
     server = _section(data, "server", source)
     for dest, (section, key) in _ENGINE_FLAGS.items():
@@ -108,8 +112,9 @@ def build_instance_config(args: argparse.Namespace, role: str | None = None) -> 
         if value is not None:
             target = engine if section is None else engine.setdefault(section, {})
             if not isinstance(target, dict):
-                raise ValueError(f"invalid configuration in {source}: engine.{section} must be "
-                                 "a mapping")
+                raise ValueError(
+                    f"invalid configuration in {source}: engine.{section} must be a mapping"
+                )
             target[key] = value
     for key in _SERVER_FLAGS:
         if getattr(args, key, None) is not None:
@@ -134,13 +139,22 @@ def run_instance(config: InstanceConfig, log_level: str) -> int:
     from splitserve.engine.server import serve
 
     try:
-        asyncio.run(serve(config.engine, config.server, log_level))
+        _run_async(serve(config.engine, config.server, log_level))
     except EngineDeadError as err:
         print(f"splitserve: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, asyncio.CancelledError):  # stopped while starting
+        logger.info("stopped")
     return 0
+
+
+def _run_async(coro: Any) -> Any:
+    """uvloop when installed (it and httptools roughly halve the HTTP cost per token)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -153,17 +167,41 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
 
 
-# name → (help, add arguments, run); other roles register theirs here.
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                             Callable[[argparse.Namespace], int]]] = {
+# name → (help, add arguments, run). The fleet roles live in their packages (imported when the
+# parser is built: they need nothing heavy); `scripts/launch.py` runs
+# `python -m splitserve.cli prefill|decode --config FLEET.yaml --index N`.
+Subcommand = tuple[
+    str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]
+SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": ("serve one colocated instance (OpenAI-compatible HTTP)", _add_serve, cmd_serve),
 }
+_ROLE_MODULES = {
+    "prefill": ("one prefill instance of a fleet", "splitserve.prefill.role"),
+    "decode": ("one decode instance of a fleet", "splitserve.decode.role"),
+}
+
+
+def subcommands() -> dict[str, Subcommand]:
+    """SUBCOMMANDS plus the role subcommands whose packages are present."""
+    import importlib
+
+    found = dict(SUBCOMMANDS)
+    for name, (help_text, module_name) in _ROLE_MODULES.items():
+        if name in found:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found[name] = (help_text, module.add_args, module.run)
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_args, run) in SUBCOMMANDS.items():
+    for name, (help_text, add_args, run) in subcommands().items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(run=run)
@@ -172,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.run(args)
     except ValueError as err:  # configuration problems: one line, no traceback

@@ -16,19 +16,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-import zmq
-import zmq.asyncio
-
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_client import CoreClient, EngineDeadError
 from splitserve.engine.core_proc import (
     AbortRequests,
     AddRequest,
@@ -37,10 +30,8 @@ from splitserve.engine.core_proc import (
     CoreReady,
     EngineCoreOutputs,
     RequestRejected,
-    Shutdown,
     UtilityRequest,
     UtilityResult,
-    run_engine_core,
 )
 from splitserve.engine.metrics import ServerMetrics
 from splitserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -58,15 +49,19 @@ class RequestRejectedError(ValueError):
         self.code = code
 
 
-class EngineDeadError(RuntimeError):
-    """The engine-core process exited or failed; no request can be served."""
-
-
 class RequestStream:
     """Updates of one request, produced by the output loop, consumed by one handler."""
 
-    __slots__ = ("request_id", "prompt_len", "pending", "event", "error", "arrival",
-                 "last_token_time", "finished")
+    __slots__ = (
+        "request_id",
+        "prompt_len",
+        "pending",
+        "event",
+        "error",
+        "arrival",
+        "last_token_time",
+        "finished",
+    )
 
     def __init__(self, request_id: str, prompt_len: int) -> None:
         self.request_id = request_id
@@ -88,10 +83,11 @@ class RequestStream:
 
     async def get(self) -> RequestOutput:
         """The next update, merged with any others that arrived meanwhile."""
-        await self.event.wait()
-        self.event.clear()
-        if self.error is not None and not self.pending:
-            raise self.error
+        while not self.pending:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
         outputs, self.pending = self.pending, []
         return merge_outputs(outputs)
 
@@ -102,15 +98,18 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         return outputs[0]
     last = outputs[-1]
     return dataclasses.replace(
-        last, new_text="".join(o.new_text for o in outputs),
-        new_token_ids=[t for o in outputs for t in o.new_token_ids])
+        last,
+        new_text="".join(o.new_text for o in outputs),
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+    )
 
 
 class AsyncLLM:
     """Start with `await AsyncLLM.start(config)`; stop with `await llm.shutdown()`."""
 
-    def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
-                 log_level: str = "INFO") -> None:
+    def __init__(
+        self, config: EngineConfig, metrics: ServerMetrics | None = None, log_level: str = "INFO"
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.log_level = log_level
@@ -121,49 +120,28 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._next_call_id = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(CoreOutput)
-        self._ipc_dir = tempfile.mkdtemp(prefix="splitserve-")
-        self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._output = self._ctx.socket(zmq.PULL)
-        input_addr = f"ipc://{self._ipc_dir}/input"
-        output_addr = f"ipc://{self._ipc_dir}/output"
-        self._input.bind(input_addr)
-        self._output.bind(output_addr)
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="splitserve-engine-core",
-            args=(config, input_addr, output_addr, os.getpid(), log_level))
+        self.core = CoreClient(config, log_level)
         self._output_task: asyncio.Task | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None,
-                    log_level: str = "INFO", timeout_s: float = 600.0) -> AsyncLLM:
+    async def start(
+        cls,
+        config: EngineConfig,
+        metrics: ServerMetrics | None = None,
+        log_level: str = "INFO",
+        timeout_s: float = 600.0,
+    ) -> AsyncLLM:
         """Spawn the core and wait until its model is loaded (or raise why it failed)."""
         llm = cls(config, metrics, log_level)
         try:
             await llm._start_process(timeout_s)
         except BaseException:
-            await llm.shutdown()
+            await llm.shutdown(timeout_s=0.2)  # still loading: it cannot read a Shutdown
             raise
         return llm
 
     async def _start_process(self, timeout_s: float) -> None:
-        self._proc.start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if await self._output.poll(200):
-                msg = self._decoder.decode(await self._output.recv())
-                if isinstance(msg, CoreFailed):
-                    raise EngineDeadError(f"engine core failed to start: {msg.message}")
-                if isinstance(msg, CoreReady):
-                    self.info = msg
-                    break
-            elif not self._proc.is_alive():
-                raise EngineDeadError(
-                    f"engine core exited during startup (exit code {self._proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"engine core not ready after {timeout_s:.0f} s")
+        self.info = await self.core.start(timeout_s)
         self._output_task = asyncio.create_task(self._output_loop(), name="core-output-loop")
 
     # ------------------------------------------------------------------------------ properties
@@ -178,12 +156,18 @@ class AsyncLLM:
 
     @property
     def core_pid(self) -> int | None:
-        return self._proc.pid
+        return self.core.pid
 
     # ------------------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0,
-                    kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
         """Queue a request in the core; raise ValueError for a duplicate id."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -192,23 +176,34 @@ class AsyncLLM:
         stream = RequestStream(request_id, len(prompt_token_ids))
         self.streams[request_id] = stream
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        req = EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                sampling_params=params, arrival_time=time.time(),
-                                priority=priority, kv_transfer_params=kv_transfer_params)
-        self._send(AddRequest(req))
+        req = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            arrival_time=time.time(),
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
+        )
+        self.core.send(AddRequest(req))
         return stream
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0,
-                       kv_transfer_params: dict[str, Any] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Updates of one request as they are sampled; the last has `finished` set.
 
         Raises RequestRejectedError before the first update if the core refuses the request.
         Closing or cancelling the iterator early aborts the request in the core.
         """
-        stream = self.add_request(request_id, prompt, prompt_token_ids, params, priority,
-                                  kv_transfer_params)
+        stream = self.add_request(
+            request_id, prompt, prompt_token_ids, params, priority, kv_transfer_params
+        )
         try:
             while True:
                 output = await stream.get()
@@ -226,7 +221,7 @@ class AsyncLLM:
         stream.finished = True
         self.output_processor.abort(request_id)
         if self.dead_reason is None:
-            self._send(AbortRequests([request_id]))
+            self.core.send(AbortRequests([request_id]))
         logger.debug("%s: aborted", request_id)
 
     # ------------------------------------------------------------------------------ utilities
@@ -238,7 +233,7 @@ class AsyncLLM:
         call_id = self._next_call_id
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
-        self._send(UtilityRequest(call_id, "stats"))
+        self.core.send(UtilityRequest(call_id, "stats"))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -247,20 +242,11 @@ class AsyncLLM:
     # ------------------------------------------------------------------------------ output loop
     async def _output_loop(self) -> None:
         try:
-            while True:
-                if not await self._output.poll(1000):
-                    if not self._proc.is_alive():
-                        self._mark_dead(f"engine core exited (exit code {self._proc.exitcode})")
-                        return
-                    continue
-                while True:  # drain whatever has arrived before yielding to the handlers
-                    try:
-                        frame = await self._output.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(self._decoder.decode(frame.buffer))
-                    if self.dead_reason is not None:
-                        return
+            while self.dead_reason is None:
+                for msg in await self.core.recv_batch():
+                    self._handle(msg)
+        except EngineDeadError as err:
+            self._mark_dead(str(err))
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a front-end bug must not leave clients hanging forever
@@ -289,7 +275,7 @@ class AsyncLLM:
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         outputs, to_abort = self.output_processor.process_outputs(msg.outputs)
         if to_abort:  # a stop string ended these: the core still thinks they run
-            self._send(AbortRequests(to_abort))
+            self.core.send(AbortRequests(to_abort))
         now = time.monotonic()
         metrics = self.metrics
         streams = self.streams
@@ -324,46 +310,18 @@ class AsyncLLM:
             if not future.done():
                 future.set_exception(error)
 
-    def _send(self, msg: Any) -> None:
-        # PUSH to a connected peer never blocks for long: ZMQ queues it (HWM 1000 messages).
-        self._input.send(self._encoder.encode(msg), copy=False)
-
     # ------------------------------------------------------------------------------ shutdown
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the core (politely, then SIGTERM, then SIGKILL) and close the sockets."""
+        """Stop the output loop and the core; in-flight requests fail with EngineDeadError."""
         if self._output_task is not None:
             self._output_task.cancel()
             try:
                 await self._output_task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self._proc.pid is not None and self._proc.is_alive():
-            try:
-                self._send(Shutdown())
-            except zmq.ZMQError:
-                pass
-            await _join(self._proc, timeout_s)
-            if self._proc.is_alive():
-                logger.warning("engine core did not stop in %.0f s: terminating", timeout_s)
-                self._proc.terminate()
-                await _join(self._proc, 2.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                await _join(self._proc, 2.0)
-        self._mark_dead_quietly()
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    def _mark_dead_quietly(self) -> None:
+        await self.core.shutdown(timeout_s)
         if self.dead_reason is None:
             self.dead_reason = "engine is shut down"
         for stream in self.streams.values():
             stream.fail(EngineDeadError(self.dead_reason))
         self.streams.clear()
-
-
-async def _join(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while proc.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    proc.join(timeout=0)

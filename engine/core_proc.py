@@ -3,7 +3,8 @@
 ```
 front end (AsyncLLM)                          engine-core process (this file)
   PUSH  input  ──  AddRequest | AbortRequests | UtilityRequest | Shutdown  ──▶  PULL
-  PULL  output ◀── CoreReady | EngineCoreOutputs | RequestRejected | UtilityResult | CoreFailed ── PUSH
+  PULL  output ◀──  CoreReady | EngineCoreOutputs | RequestRejected  ──  PUSH
+                     | UtilityResult | CoreFailed
 ```
 
 Messages are typed msgspec Structs in a tagged union, encoded as msgpack: no pickle, and a
@@ -92,20 +93,28 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     """Startup failed, or the step loop hit an engine bug: the process is about to exit."""
 
     message: str
+    config_error: bool = False  # a ValueError at startup: the configuration cannot work
 
 
 CoreOutput = CoreReady | EngineCoreOutputs | RequestRejected | UtilityResult | CoreFailed
 
 
-class _ShutdownSignal(Exception):
-    """Raised from the SIGTERM handler to leave the loop at once."""
+class _ShutdownSignal(BaseException):
+    """Raised from the SIGTERM handler to leave the loop at once (not an Exception: no handler
+    meant for errors may swallow it)."""
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
-                    log_level: str = "INFO") -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    log_level: str = "INFO",
+) -> None:
     """Entry point of the spawned process."""
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s"
+    )
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_shutdown)
@@ -142,23 +151,35 @@ def _start_core(config: EngineConfig, out_sock: zmq.Socket, encoder: msgspec.msg
 
     try:
         core = EngineCore(config)
+    except ValueError as err:  # e.g. a KV budget too small for max_model_len: no traceback
+        out_sock.send(encoder.encode(CoreFailed(str(err), config_error=True)))
+        return None
     except Exception as err:  # report why, then exit: the front end prints it
         logger.exception("engine core failed to start")
         out_sock.send(encoder.encode(CoreFailed(f"{type(err).__name__}: {err}")))
         return None
     c = core.kv_cache_manager
-    out_sock.send(encoder.encode(CoreReady(
-        engine_id=core.engine_id, max_model_len=core.max_model_len,
-        vocab_size=core.arch.vocab_size, num_blocks=c.num_blocks, block_size=c.block_size,
-        architecture=core.arch.architecture)))
+    out_sock.send(
+        encoder.encode(
+            CoreReady(
+                engine_id=core.engine_id,
+                max_model_len=core.max_model_len,
+                vocab_size=core.arch.vocab_size,
+                num_blocks=c.num_blocks,
+                block_size=c.block_size,
+                architecture=core.arch.architecture,
+            )
+        )
+    )
     return core
 
 
 class EngineCoreProc:
     """The busy loop around one EngineCore."""
 
-    def __init__(self, core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
-                 parent_pid: int) -> None:
+    def __init__(
+        self, core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int
+    ) -> None:
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
@@ -227,9 +248,14 @@ class EngineCoreProc:
     def _add(self, req: EngineCoreRequest) -> None:
         rid = req.request_id
         if self.core.scheduler.num_waiting >= self.max_waiting:
-            self._send(RequestRejected(rid, f"server busy: {self.max_waiting} requests already "
-                                       "waiting (scheduler.max_waiting); retry later",
-                                       "queue_full"))
+            self._send(
+                RequestRejected(
+                    rid,
+                    f"server busy: {self.max_waiting} requests already "
+                    "waiting (scheduler.max_waiting); retry later",
+                    "queue_full",
+                )
+            )
             return
         try:
             self.core.add_request(req)

@@ -22,12 +22,69 @@ if TYPE_CHECKING:
     from splitserve.engine.async_llm import RequestStream
     from splitserve.engine.output_processor import RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
-                240.0, 480.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+_E2E_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -42,42 +99,102 @@ class ServerMetrics:
         def child(metric: Any) -> Any:
             return metric.labels(model_name=model_name)
 
-        self.ttft = child(Histogram("splitserve:time_to_first_token_seconds",
-                                    "Time from arrival to the first token", labels,
-                                    buckets=_LATENCY_BUCKETS, registry=r))
-        self.itl = child(Histogram("splitserve:inter_token_latency_seconds",
-                                   "Time between consecutive token updates of a request",
-                                   labels, buckets=_ITL_BUCKETS, registry=r))
-        self.e2e = child(Histogram("splitserve:e2e_request_latency_seconds",
-                                   "Time from arrival to the last token", labels,
-                                   buckets=_E2E_BUCKETS, registry=r))
-        self.prompt_tokens = child(Counter("splitserve:prompt_tokens",
-                                           "Prompt tokens of finished requests", labels,
-                                           registry=r))
-        self.generation_tokens = child(Counter("splitserve:generation_tokens",
-                                               "Generated tokens", labels, registry=r))
-        self._success = Counter("splitserve:request_success", "Finished requests by reason",
-                                labels + ["finished_reason"], registry=r)
+        self.ttft = child(
+            Histogram(
+                "splitserve:time_to_first_token_seconds",
+                "Time from arrival to the first token",
+                labels,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
+        self.itl = child(
+            Histogram(
+                "splitserve:inter_token_latency_seconds",
+                "Time between consecutive token updates of a request",
+                labels,
+                buckets=_ITL_BUCKETS,
+                registry=r,
+            )
+        )
+        self.e2e = child(
+            Histogram(
+                "splitserve:e2e_request_latency_seconds",
+                "Time from arrival to the last token",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            )
+        )
+        self.prompt_tokens = child(
+            Counter(
+                "splitserve:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
+            )
+        )
+        self.generation_tokens = child(
+            Counter("splitserve:generation_tokens", "Generated tokens", labels, registry=r)
+        )
+        self._success = Counter(
+            "splitserve:request_success",
+            "Finished requests by reason",
+            labels + ["finished_reason"],
+            registry=r,
+        )
         self._model_name = model_name
-        self.running = child(Gauge("splitserve:num_requests_running",
-                                   "Requests in the running batch", labels, registry=r))
-        self.waiting = child(Gauge("splitserve:num_requests_waiting",
-                                   "Requests waiting to be scheduled (incl. remote KV loads)",
-                                   labels, registry=r))
-        self.kv_usage = child(Gauge("splitserve:kv_cache_usage_perc",
-                                    "Fraction of KV blocks in use (0-1)", labels, registry=r))
-        self.kv_blocks_free = child(Gauge("splitserve:kv_cache_blocks_free",
-                                          "Free KV blocks", labels, registry=r))
-        self.prefix_hit_rate = child(Gauge("splitserve:prefix_cache_hit_rate",
-                                           "Prefix-cache hits / queries (blocks) since start",
-                                           labels, registry=r))
-        self.prefix_queries = child(Gauge("splitserve:prefix_cache_queries",
-                                          "Prefix-cache block queries since start", labels,
-                                          registry=r))
-        self.prefix_hits = child(Gauge("splitserve:prefix_cache_hits",
-                                       "Prefix-cache block hits since start", labels, registry=r))
-        self.preemptions = child(Gauge("splitserve:num_preemptions",
-                                       "Preemptions since start", labels, registry=r))
+        self.running = child(
+            Gauge(
+                "splitserve:num_requests_running",
+                "Requests in the running batch",
+                labels,
+                registry=r,
+            )
+        )
+        self.waiting = child(
+            Gauge(
+                "splitserve:num_requests_waiting",
+                "Requests waiting to be scheduled (incl. remote KV loads)",
+                labels,
+                registry=r,
+            )
+        )
+        self.kv_usage = child(
+            Gauge(
+                "splitserve:kv_cache_usage_perc",
+                "Fraction of KV blocks in use (0-1)",
+                labels,
+                registry=r,
+            )
+        )
+        self.kv_blocks_free = child(
+            Gauge("splitserve:kv_cache_blocks_free", "Free KV blocks", labels, registry=r)
+        )
+        self.prefix_hit_rate = child(
+            Gauge(
+                "splitserve:prefix_cache_hit_rate",
+                "Prefix-cache hits / queries (blocks) since start",
+                labels,
+                registry=r,
+            )
+        )
+        self.prefix_queries = child(
+            Gauge(
+                "splitserve:prefix_cache_queries",
+                "Prefix-cache block queries since start",
+                labels,
+                registry=r,
+            )
+        )
+        self.prefix_hits = child(
+            Gauge(
+                "splitserve:prefix_cache_hits",
+                "Prefix-cache block hits since start",
+                labels,
+                registry=r,
+            )
+        )
+        self.preemptions = child(
+            Gauge("splitserve:num_preemptions", "Preemptions since start", labels, registry=r)
+        )
         self._transfer_stats: dict[str, KVTransferStats] = {}
         r.register(KVTransferCollector(lambda: self._transfer_stats))
 
@@ -113,7 +230,8 @@ class ServerMetrics:
         self.preemptions.set(stats.get("num_preemptions", 0))
         self._transfer_stats = {
             name: KVTransferStats(**counters)
-            for name, counters in (stats.get("kv_transfer") or {}).items()}
+            for name, counters in (stats.get("kv_transfer") or {}).items()
+        }
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,7 @@ top-k → top-p → min-p → sample. Logprobs are those of the raw model distri
 
 Sampling uses the exponential-race form of the Gumbel-max trick: `argmax(p / q)` with
 `q ~ Exp(1)` draws from `p`. For a request with a `seed`, `q` comes from a generator seeded with
-`H(seed, output position)`, so its randomness depends only on (seed, position) — never on which
+`H(seed, position)`, so its randomness depends only on (seed, position) — never on which
 other requests share the batch, nor on which instance (colocated, prefill or decode) samples it.
 """
 
@@ -82,8 +82,9 @@ class Sampler:
         seed = request.sampling_params.seed
         generator = self.generator
         if seed is not None:
-            generator = torch.Generator().manual_seed(
-                position_seed(seed, request.num_output_tokens))
+            # The absolute position of the token being sampled: a decode instance that received
+            # t0 inside its prompt samples t1 at the same position as a colocated instance.
+            generator = torch.Generator().manual_seed(position_seed(seed, request.num_tokens))
         return torch.empty(self.vocab_size).exponential_(generator=generator)
 
     def _logprobs(self, raw: torch.Tensor | None, i: int, token: int,

@@ -65,10 +65,16 @@ class ServerConfig(BaseModel):
     """uvicorn's per-request access log line (off: it costs throughput)."""
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    type_: str = "invalid_request_error",
+) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def validation_error(err: ValidationError | RequestValidationError) -> APIError:
@@ -120,8 +126,11 @@ class BodyLimitMiddleware:
                 await self._reject(scope, receive, send)
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
-        response = error_response(413, f"request body larger than {self.max_body_bytes} bytes "
-                                  "(server.max_body_bytes)", code="request_too_large")
+        response = error_response(
+            413,
+            f"request body larger than {self.max_body_bytes} bytes (server.max_body_bytes)",
+            code="request_too_large",
+        )
         await response(scope, receive, send)
 
 
@@ -167,8 +176,12 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
     return None
 
 
-def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: ServerConfig,
-              metrics: ServerMetrics) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    metrics: ServerMetrics,
+) -> FastAPI:
     model_name = engine_config.model.name
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -190,15 +203,24 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(err).__name__}: {err}",
-                              type_="internal_error", code="internal_error")
+        return error_response(
+            500,
+            f"internal error: {type(err).__name__}: {err}",
+            type_="internal_error",
+            code="internal_error",
+        )
 
-    async def handle(request: Request, model: type[BaseModel],
-                     run: Callable[[Any, str], Awaitable[Response]]) -> Response:
+    async def handle(
+        request: Request, model: type[BaseModel], run: Callable[[Any, str], Awaitable[Response]]
+    ) -> Response:
         body = await parse_body(request, model)
         if body.model is not None and body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist (served: "
-                           f"{model_name!r})", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist (served: {model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
         base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             response = await until_disconnect(request, run(body, base_id))
@@ -207,8 +229,9 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
                 raise APIError(503, str(err), code=err.code, type_="server_busy") from None
             raise APIError(400, str(err), param="prompt", code=err.code) from None
         except EngineDeadError as err:
-            raise APIError(503, f"engine unavailable: {err}", code="engine_dead",
-                           type_="service_unavailable") from None
+            raise APIError(
+                503, f"engine unavailable: {err}", code="engine_dead", type_="service_unavailable"
+            ) from None
         if response is None:
             return Response(status_code=499)
         response.headers["X-Request-Id"] = base_id
@@ -224,8 +247,9 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=model_name, root=engine_config.model.model,
-                         max_model_len=engine.max_model_len)
+        card = ModelCard(
+            id=model_name, root=engine_config.model.model, max_model_len=engine.max_model_len
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
@@ -236,8 +260,19 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
         except (EngineDeadError, RuntimeError, asyncio.TimeoutError) as err:
             body.update(status="error", error=str(err) or type(err).__name__)
             return JSONResponse(body, status_code=503)
-        body.update({k: stats[k] for k in ("running", "waiting", "kv_blocks_free",
-                                           "kv_blocks_total", "kv_usage", "engine_id")})
+        body.update(
+            {
+                k: stats[k]
+                for k in (
+                    "running",
+                    "waiting",
+                    "kv_blocks_free",
+                    "kv_blocks_total",
+                    "kv_usage",
+                    "engine_id",
+                )
+            }
+        )
         return JSONResponse(body)
 
     @app.get("/metrics")
@@ -251,29 +286,56 @@ def build_app(engine: AsyncLLM, engine_config: EngineConfig, server_config: Serv
     return app
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig,
-                log_level: str = "info",
-                on_listening: Callable[[str, int], None] | None = None) -> None:
-    """Start the engine core, then serve HTTP until SIGTERM/SIGINT; always stop the core."""
+async def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info"
+) -> None:
+    """Start the engine core, then serve HTTP until SIGTERM/SIGINT; always stop the core.
+
+    A signal during startup (loading the model can take minutes) cancels the startup, which
+    stops the core; asyncio.CancelledError then leaves this function.
+    """
     metrics = ServerMetrics(engine_config.model.name)
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        engine = await AsyncLLM.start(engine_config, metrics, log_level.upper())
+    finally:
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)
     # uvicorn re-raises a captured signal once it is done; make that re-raise harmless so the
     # finally below (stopping the core) runs instead of the default "terminate now".
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _SIGNALS:
         signal.signal(sig, _log_signal)
-    engine = await AsyncLLM.start(engine_config, metrics, log_level.upper())
     try:
         app = build_app(engine, engine_config, server_config, metrics)
-        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                log_level=log_level.lower(), access_log=server_config.access_log,
-                                lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=log_level.lower(),
+            access_log=server_config.access_log,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
         server = uvicorn.Server(config)
-        asyncio.create_task(_exit_when_dead(engine, server))
-        logger.info("serving %s (%s) on http://%s:%d", engine_config.model.name,
-                    server_config.role, server_config.host, server_config.port)
+        watchdog = asyncio.create_task(_exit_when_dead(engine, server))
+        logger.info(
+            "serving %s (%s) on http://%s:%d",
+            engine_config.model.name,
+            server_config.role,
+            server_config.host,
+            server_config.port,
+        )
         await server.serve()
+        watchdog.cancel()
     finally:
         await engine.shutdown()
         logger.info("shut down")
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _log_signal(signum: int, frame: Any) -> None:
@@ -287,4 +349,3 @@ async def _exit_when_dead(engine: AsyncLLM, server: uvicorn.Server) -> None:
     if not server.should_exit:
         logger.error("engine core died (%s): stopping the server", engine.dead_reason)
         server.should_exit = True
-

@@ -15,70 +15,58 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from splitserve.engine.async_llm import AsyncLLM, RequestStream
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from splitserve.engine.request import SamplingParams, TokenLogprobs
-
-_DONE = b"data: [DONE]\n\n"
+from splitserve.engine.streaming import (
+    SSEBody,
+    SSEResponse,
+    collect,
+    iterate_streams,
+    sse,
+    with_errors,
+)
 
 
 class APIError(Exception):
     """An OpenAI error answer: the server turns it into `{"error": {...}}` with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type_)
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
-    return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(o.outputs[0].token_ids) for o in outputs),
-                 sum(o.num_cached_tokens for o in outputs))
-
-
-class SSEBody:
-    """A streamed body that aborts its requests however it ends (done, error, cancel, dropped).
-
-    An async generator that Starlette never starts (the client left first) never runs its
-    `finally`; this wrapper's `close` also runs when the object is dropped.
-    """
-
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        self._chunks = chunks
-        self._on_close: Callable[[], None] | None = on_close
-
-    def __aiter__(self) -> SSEBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._chunks.__anext__()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close()
-
-    def __del__(self) -> None:
-        self.close()
+    return usage(
+        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(o.outputs[0].token_ids) for o in outputs),
+        sum(o.num_cached_tokens for o in outputs),
+    )
 
 
 class OpenAIServing:
@@ -89,42 +77,68 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, base_id: str) -> Response:
-        prompts = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
-                   for p in req.prompts]
+        prompts = [
+            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts
+        ]
         streams = self._add(req, base_id, prompts, req.max_tokens)
-        return await self._respond(req, streams, f"cmpl-{base_id}", self._completion_body,
-                                   self._completion_chunks)
+        return await self._respond(
+            req, streams, f"cmpl-{base_id}", self._completion_body, self._completion_chunks
+        )
 
-    def _completion_body(self, req: CompletionRequest, rid: str,
-                         outs: list[RequestOutput]) -> dict[str, Any]:
+    def _completion_body(
+        self, req: CompletionRequest, rid: str, outs: list[RequestOutput]
+    ) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
-            choice = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                      "stop_reason": c.stop_reason,
-                      "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)}
+            choice = {
+                "index": i,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "logprobs": self._completion_logprobs(c.token_ids, c.logprobs),
+            }
             if req.return_token_ids:
                 choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
             choices.append(choice)
-        return {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": _usage_of(outs),
-                "kv_transfer_params": outs[0].kv_transfer_params}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage_of(outs),
+            "kv_transfer_params": outs[0].kv_transfer_params,
+        }
 
-    async def _completion_chunks(self, req: CompletionRequest, rid: str,
-                                 updates: AsyncIterator[tuple[int, RequestOutput]],
-                                 num_prompts: int) -> AsyncIterator[bytes]:
+    async def _completion_chunks(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        updates: AsyncIterator[tuple[int, RequestOutput]],
+        num_prompts: int,
+    ) -> AsyncIterator[bytes]:
         created, finals = int(time.time()), {}
-        base = {"id": rid, "object": "text_completion", "created": created,
-                "model": self.model_name}
+        base = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+        }
         async for i, out in updates:
             c = out.outputs[0]
-            choice: dict[str, Any] = {"index": i, "text": out.new_text, "logprobs": None,
-                                      "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": out.new_text,
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             if c.logprobs is not None and out.new_token_ids:
                 n = len(out.new_token_ids)
                 choice["logprobs"] = self._completion_logprobs(
-                    out.new_token_ids, c.logprobs[-n:], len(c.text) - len(out.new_text))
+                    out.new_token_ids, c.logprobs[-n:], len(c.text) - len(out.new_text)
+                )
             if req.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
                 if len(c.token_ids) == len(out.new_token_ids):
@@ -136,12 +150,13 @@ class OpenAIServing:
                 finals[i] = out
                 if out.kv_transfer_params is not None:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
-            yield _sse(chunk)
+            yield sse(chunk)
         if req.include_usage and len(finals) == num_prompts:
-            yield _sse({**base, "choices": [], "usage": _usage_of(list(finals.values()))})
+            yield sse({**base, "choices": [], "usage": _usage_of(list(finals.values()))})
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs] | None,
-                             offset: int = 0) -> dict[str, Any] | None:
+    def _completion_logprobs(
+        self, token_ids: list[int], lps: list[TokenLogprobs] | None, offset: int = 0
+    ) -> dict[str, Any] | None:
         if lps is None:
             return None
         tok = self._token_str
@@ -151,8 +166,12 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(t)
         top = [{tok(x.token_id): x.logprob for x in [*lp.top, lp.sampled]} for lp in lps]
-        return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
-                "top_logprobs": top, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.sampled.logprob for lp in lps],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     # ------------------------------------------------------------------------------ chat
     async def chat_completions(self, req: ChatCompletionRequest, base_id: str) -> Response:
@@ -160,46 +179,79 @@ class OpenAIServing:
         text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         streams = self._add(req, base_id, [(text, ids)], req.max_output_tokens)
-        return await self._respond(req, streams, f"chatcmpl-{base_id}", self._chat_body,
-                                   self._chat_chunks)
+        return await self._respond(
+            req, streams, f"chatcmpl-{base_id}", self._chat_body, self._chat_chunks
+        )
 
-    def _chat_body(self, req: ChatCompletionRequest, rid: str,
-                   outs: list[RequestOutput]) -> dict[str, Any]:
+    def _chat_body(
+        self, req: ChatCompletionRequest, rid: str, outs: list[RequestOutput]
+    ) -> dict[str, Any]:
         out = outs[0]
         c = out.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": _usage_of(outs),
-                "kv_transfer_params": out.kv_transfer_params}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage_of(outs),
+            "kv_transfer_params": out.kv_transfer_params,
+        }
         if req.return_token_ids:
             choice["token_ids"] = c.token_ids
             body["prompt_token_ids"] = out.prompt_token_ids
         return body
 
-    async def _chat_chunks(self, req: ChatCompletionRequest, rid: str,
-                           updates: AsyncIterator[tuple[int, RequestOutput]],
-                           num_prompts: int) -> AsyncIterator[bytes]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name}
+    async def _chat_chunks(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        updates: AsyncIterator[tuple[int, RequestOutput]],
+        num_prompts: int,
+    ) -> AsyncIterator[bytes]:
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
         first, final = True, None
         async for _, out in updates:
             c = out.outputs[0]
             if first:
-                role = {**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                             "logprobs": None, "finish_reason": None}]}
+                role = {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
                 if req.return_token_ids:
                     role["prompt_token_ids"] = out.prompt_token_ids
-                yield _sse(role)
+                yield sse(role)
                 first = False
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": out.new_text},
-                                      "logprobs": None, "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": out.new_text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             if c.logprobs is not None and out.new_token_ids:
                 choice["logprobs"] = self._chat_logprobs(
-                    out.new_token_ids, c.logprobs[-len(out.new_token_ids):])
+                    out.new_token_ids, c.logprobs[-len(out.new_token_ids) :]
+                )
             if req.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
             chunk = {**base, "choices": [choice]}
@@ -209,63 +261,96 @@ class OpenAIServing:
                 final = out
                 if out.kv_transfer_params is not None:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
-            yield _sse(chunk)
+            yield sse(chunk)
         if req.include_usage and final is not None:
-            yield _sse({**base, "choices": [], "usage": _usage_of([final])})
+            yield sse({**base, "choices": [], "usage": _usage_of([final])})
 
-    def _chat_logprobs(self, token_ids: list[int],
-                       lps: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+    def _chat_logprobs(
+        self, token_ids: list[int], lps: list[TokenLogprobs] | None
+    ) -> dict[str, Any] | None:
         if lps is None:
             return None
         content = []
         for token_id, lp in zip(token_ids, lps, strict=True):
             s = self._token_str(token_id)
-            top = [{"token": (t := self._token_str(x.token_id)), "logprob": x.logprob,
-                    "bytes": list(t.encode())} for x in lp.top]
-            content.append({"token": s, "logprob": lp.sampled.logprob,
-                            "bytes": list(s.encode()), "top_logprobs": top})
+            top = [
+                {
+                    "token": (t := self._token_str(x.token_id)),
+                    "logprob": x.logprob,
+                    "bytes": list(t.encode()),
+                }
+                for x in lp.top
+            ]
+            content.append(
+                {
+                    "token": s,
+                    "logprob": lp.sampled.logprob,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": top,
+                }
+            )
         return {"content": content}
 
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------------------------ shared
-    def _add(self, req: SamplingFields, base_id: str,
-             prompts: list[tuple[str | None, list[int]]],
-             max_tokens: int | None) -> list[RequestStream]:
+    def _add(
+        self,
+        req: SamplingFields,
+        base_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        max_tokens: int | None,
+    ) -> list[RequestStream]:
         """Build every prompt's SamplingParams first (a bad one queues nothing), then queue."""
         params = [self._sampling_params(req, len(ids), max_tokens) for _, ids in prompts]
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True)):
-                streams.append(self.engine.add_request(
-                    f"{base_id}-{i}", text, ids, sp, req.priority, req.kv_transfer_params))
+                streams.append(
+                    self.engine.add_request(
+                        f"{base_id}-{i}", text, ids, sp, req.priority, req.kv_transfer_params
+                    )
+                )
         except ValueError as err:
             self._abort(streams)
             raise APIError(400, str(err), param="X-Request-Id", code="duplicate_id") from None
         return streams
 
-    def _sampling_params(self, req: SamplingFields, prompt_len: int,
-                         max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, req: SamplingFields, prompt_len: int, max_tokens: int | None
+    ) -> SamplingParams:
         max_len = self.engine.max_model_len
         if max_tokens is None:
             max_tokens = max(1, max_len - prompt_len)
         elif prompt_len < max_len and prompt_len + max_tokens > max_len:
-            raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "
-                           f"{prompt_len + max_tokens} were requested ({prompt_len} in the "
-                           f"prompt, {max_tokens} in the completion); lower max_tokens",
-                           param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens, but "
+                f"{prompt_len + max_tokens} were requested ({prompt_len} in the "
+                f"prompt, {max_tokens} in the completion); lower max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         try:
             return SamplingParams(
-                max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature,
-                top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
                 repetition_penalty=req.repetition_penalty,
-                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,  # type: ignore[attr-defined]
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                stop=req.stop_list,
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                logprobs=req.num_logprobs,  # type: ignore[attr-defined]
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens,
+            )
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None
 
@@ -273,84 +358,33 @@ class OpenAIServing:
         for s in streams:
             self.engine.abort(s.request_id)
 
-    async def _respond(self, req: Any, streams: list[RequestStream], rid: str,
-                       body: Callable, chunks: Callable) -> Response:
+    async def _respond(
+        self, req: Any, streams: list[RequestStream], rid: str, body: Callable, chunks: Callable
+    ) -> Response:
         handed_over = False
         try:
             if req.stream:
                 # The first update (or the core's refusal) decides the status line.
                 firsts = [await s.get() for s in streams]
                 _raise_if_failed([o for o in firsts if o.finished])
-                sse = SSEBody(_with_errors(chunks(req, rid, iterate_streams(streams, firsts),
-                                                  len(streams))),
-                              lambda: self._abort(streams))
+                events = with_errors(
+                    chunks(req, rid, iterate_streams(streams, firsts), len(streams))
+                )
                 handed_over = True
-                return StreamingResponse(sse, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                return SSEResponse(SSEBody(events, lambda: self._abort(streams)))
             outs = await asyncio.gather(*(collect(s) for s in streams))
             _raise_if_failed(outs)
-            return Response(msgspec.json.encode(body(req, rid, outs)),
-                            media_type="application/json")
+            return Response(
+                msgspec.json.encode(body(req, rid, outs)), media_type="application/json"
+            )
         finally:
             if not handed_over:
                 self._abort(streams)
 
 
-async def collect(stream: RequestStream) -> RequestOutput:
-    """Wait for a request's last update."""
-    while True:
-        out = await stream.get()
-        if out.finished:
-            return out
-
-
-async def iterate_streams(streams: list[RequestStream], firsts: list[RequestOutput]
-                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, update) of several requests as they come, starting with `firsts`.
-
-    A request that fails mid-way (e.g. its KV load failed under policy `fail`) raises.
-    """
-    for i, out in enumerate(firsts):
-        yield i, out
-    if len(streams) == 1:  # the common case: no tasks
-        out = firsts[0]
-        while not out.finished:
-            out = await streams[0].get()
-            if out.error is not None:
-                raise RuntimeError(f"request failed: {out.error}")
-            yield 0, out
-        return
-    pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)
-               if not firsts[i].finished}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                out = task.result()
-                if out.error is not None:
-                    raise RuntimeError(f"request failed: {out.error}")
-                yield i, out
-                if not out.finished:
-                    pending[asyncio.ensure_future(streams[i].get())] = i
-    finally:
-        for task in pending:
-            task.cancel()
-
-
-async def _with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Chunks, then `[DONE]`; a failure after the headers went out becomes an error event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except (RuntimeError, ValueError) as err:  # engine died, request failed mid-way
-        yield _sse({"error": {"message": str(err), "type": "server_error", "param": None,
-                              "code": "stream_failed"}})
-    yield _DONE
-
-
 def _raise_if_failed(outs: list[RequestOutput]) -> None:
     for out in outs:
         if out.error is not None or out.outputs[0].finish_reason == "error":
-            raise APIError(500, f"request failed: {out.error}", type_="server_error",
-                           code="request_failed")
+            raise APIError(
+                500, f"request failed: {out.error}", type_="server_error", code="request_failed"
+            )

@@ -127,6 +127,7 @@ class SimEngine:
         self.done_sending: dict[str, float] = {}  # request → when it was reported
         self.done_recving: dict[str, float] = {}  # request → load seconds
         self.failed: dict[str, str] = {}
+        self.finished_at: dict[str, float] = {}  # producer request → when request_finished ran
 
     # ------------------------------------------------------------ requests
     def _allocate(self, n: int) -> list[int]:
@@ -151,6 +152,7 @@ class SimEngine:
         self.requests[request_id] = (req, block_ids)
         req.num_computed_tokens = len(token_ids)
         req.all_token_ids.append(1)  # the sampled first token; its KV is not computed
+        self.finished_at[request_id] = time.perf_counter()
         delay, out = self.scheduler.request_finished(req, block_ids)
         if delay:
             self.sending.add(request_id)
@@ -219,6 +221,12 @@ class SimEngine:
     def corrupt(self, block_id: int) -> None:
         self.kv_cache[block_id].add_(1)
 
+    def held_seconds(self, request_id: str) -> float | None:
+        """From request_finished to done_sending (a save's duration, for store connectors)."""
+        if request_id not in self.done_sending:
+            return None
+        return self.done_sending[request_id] - self.finished_at[request_id]
+
     def status(self) -> dict[str, Any]:
         return {
             "done_sending": dict(self.done_sending),
@@ -285,7 +293,13 @@ class RemoteEngine:
     def _wait(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"sim engine (pid {self.process.pid}) did not answer in {timeout}s")
-        kind, value = self.conn.recv()
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"sim engine (pid {self.process.pid}) died, exit code {self.process.exitcode}"
+            ) from None
         if kind == "error":
             raise RuntimeError(f"sim engine: {value}")
         return value

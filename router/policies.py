@@ -30,6 +30,7 @@ class RoutingPolicy(ABC):
 
     def served(self, inst: Instance, prompt: Any = None) -> None:
         """Called after `inst` took the request (prefix_aware remembers it)."""
+        return None
 
 
 class RoundRobin(RoutingPolicy):

@@ -70,18 +70,32 @@ def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest
 
     if args.dataset == "shared-prefix":
         prefixes = [tokens(args.prefix_len) for _ in range(args.num_prefixes)]
-        return [BenchRequest(prefixes[i % args.num_prefixes] + tokens(args.input_len),
-                             args.output_len) for i in range(args.num_prompts)]
-    return [BenchRequest(tokens(length(args.input_len)), length(args.output_len))
-            for _ in range(args.num_prompts)]
+        return [
+            BenchRequest(prefixes[i % args.num_prefixes] + tokens(args.input_len), args.output_len)
+            for i in range(args.num_prompts)
+        ]
+    return [
+        BenchRequest(tokens(length(args.input_len)), length(args.output_len))
+        for _ in range(args.num_prompts)
+    ]
 
 
 # ------------------------------------------------------------------------------------ client
-async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
-                       ) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    req: BenchRequest,
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(prompt_len=len(req.prompt))
     chunks, last = 0, 0.0
     start = time.perf_counter()
@@ -124,8 +138,9 @@ async def arrivals(n: int, rate: float, rng: np.random.Generator):
             await asyncio.sleep(float(rng.exponential(1.0 / rate)))
 
 
-async def run_benchmark(args: argparse.Namespace, url: str, model: str,
-                        requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+async def run_benchmark(
+    args: argparse.Namespace, url: str, model: str, requests: list[BenchRequest]
+) -> tuple[list[RequestResult], float]:
     limit = args.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
@@ -168,26 +183,35 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return r.ok and all(values[k] * 1000 <= v for k, v in slo.items())
 
 
-def summarize(results: list[RequestResult], duration: float, slo: dict[str, float]
-              ) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration: float, slo: dict[str, float]
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
 
     def pct(values: list[float]) -> dict[str, float]:
         if not values:
             return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
         a = np.asarray(values) * 1000
-        return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-                "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+        return {
+            "mean": float(a.mean()),
+            "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)),
+        }
 
     out_tokens = sum(r.output_tokens for r in ok)
     summary = {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
         "total_output_tokens": out_tokens,
-        "ttft_ms": pct([r.ttft for r in ok]), "tpot_ms": pct([r.tpot for r in ok if r.tpot]),
-        "itl_ms": pct([x for r in ok for x in r.itl]), "e2e_ms": pct([r.e2e for r in ok]),
+        "ttft_ms": pct([r.ttft for r in ok]),
+        "tpot_ms": pct([r.tpot for r in ok if r.tpot]),
+        "itl_ms": pct([x for r in ok for x in r.itl]),
+        "e2e_ms": pct([r.e2e for r in ok]),
     }
     if slo:
         good = sum(meets_slo(r, slo) for r in results)
@@ -205,13 +229,17 @@ def print_table(s: dict[str, Any]) -> None:
     print(f"{'output throughput (tok/s)':<28}{s['output_throughput']:.1f}")
     print(f"{'total throughput (tok/s)':<28}{s['total_token_throughput']:.1f}")
     if "goodput" in s:
-        print(f"{'goodput (req/s)':<28}{s['goodput']:.2f}  "
-              f"({100 * s['slo_attainment']:.1f}% within {s['slo']})")
+        print(
+            f"{'goodput (req/s)':<28}{s['goodput']:.2f}  "
+            f"({100 * s['slo_attainment']:.1f}% within {s['slo']})"
+        )
     print(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
-        print(f"{key[:-3].upper():<10}{v['mean']:>10.2f}{v['p50']:>10.2f}{v['p90']:>10.2f}"
-              f"{v['p99']:>10.2f}")
+        print(
+            f"{key[:-3].upper():<10}{v['mean']:>10.2f}{v['p50']:>10.2f}{v['p90']:>10.2f}"
+            f"{v['p99']:>10.2f}"
+        )
     for err in s.get("first_errors", []):
         print("error:", err)
 
@@ -223,8 +251,12 @@ def plot_cdfs(results: list[RequestResult], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r.ok]
-    series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot],
-              "ITL": [x for r in ok for x in r.itl], "E2E": [r.e2e for r in ok]}
+    series = {
+        "TTFT": [r.ttft for r in ok],
+        "TPOT": [r.tpot for r in ok if r.tpot],
+        "ITL": [x for r in ok for x in r.itl],
+        "E2E": [r.e2e for r in ok],
+    }
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (name, values) in zip(axes.flat, series.items(), strict=True):
         if values:
@@ -289,19 +321,34 @@ def main(argv: list[str] | None = None) -> int:
     results, duration = asyncio.run(run_benchmark(args, base + args.endpoint, model, requests))
     summary = summarize(results, duration, slo)
     label = args.label or f"{model} @ {base}"
-    print(f"== {label}: {args.dataset} {args.input_len} in / {args.output_len} out, "
-          f"{args.num_prompts} prompts, rate {args.request_rate}, "
-          f"concurrency {args.max_concurrency or 'unbounded'}")
+    print(
+        f"== {label}: {args.dataset} {args.input_len} in / {args.output_len} out, "
+        f"{args.num_prompts} prompts, rate {args.request_rate}, "
+        f"concurrency {args.max_concurrency or 'unbounded'}"
+    )
     print_table(summary)
     if args.out:
         config = {k: v for k, v in vars(args).items() if k not in ("out", "plot")}
         config["request_rate"] = str(args.request_rate)
-        Path(args.out).write_text(json.dumps(
-            {"label": label, "model": model, "config": config, "summary": summary,
-             "requests": [asdict(r) for r in results]}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "label": label,
+                    "model": model,
+                    "config": config,
+                    "summary": summary,
+                    "requests": [asdict(r) for r in results],
+                },
+                indent=1,
+            )
+        )
     if args.plot:
-        plot_cdfs(results, args.plot, f"{label}: {args.dataset} {args.input_len}/"
-                  f"{args.output_len}, concurrency {args.max_concurrency or 'unbounded'}")
+        plot_cdfs(
+            results,
+            args.plot,
+            f"{label}: {args.dataset} {args.input_len}/"
+            f"{args.output_len}, concurrency {args.max_concurrency or 'unbounded'}",
+        )
     return 0 if summary["completed"] else 1
 
 

@@ -87,11 +87,8 @@ class Fleet:
                 sys.stdout.flush()
 
     def start_instance(self, role: str, index: int) -> Child:
-        module = "splitserve.cli" if role == "colocated" else f"splitserve.{role}"
-        argv = [sys.executable, "-m", module]
-        if role == "colocated":
-            argv += ["colocated"]
-        argv += ["--config", self.config_path, "--index", str(index)]
+        argv = [sys.executable, "-m", "splitserve.cli", role, "--config", self.config_path,
+                "--index", str(index)]
         return self.spawn(f"{role}-{index}", argv)
 
     def start(self, timeout_s: float = 180.0) -> None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import xxhash
 from pydantic import Field
 
@@ -40,6 +39,7 @@ from splitserve.kv_connector.base import (
 )
 from splitserve.kv_connector.config import ConnectorOptions, KVTransferConfig
 from splitserve.kv_connector.layout import block_bytes, block_range
+from splitserve.kv_connector.redis.resp import BlockReader
 
 if TYPE_CHECKING:
     import redis
@@ -286,11 +286,11 @@ class RedisConnector(KVConnectorBase):
         return [range(i, min(i + per, n)) for i in range(0, n, per)]
 
     def _load_loop(self) -> None:
-        client = self._client(self.options.timeout_s)
+        fetch = self._fetcher()
         while (load := self._loads.get()) is not None:
             started = time.monotonic()
             try:
-                error = load.error or self._load(client, load)
+                error = load.error or self._load(fetch, load)
             except Exception as e:  # redis errors, and anything unexpected: never hang
                 error = f"Redis load failed: {type(e).__name__}: {e}"
             with self._lock:
@@ -306,29 +306,74 @@ class RedisConnector(KVConnectorBase):
             else:
                 self.stats.num_failed_transfers += 1
                 logger.warning("%s: KV load failed: %s", load.request_id, error)
-        client.close()
+        fetch(None, [])  # close
 
-    def _load(self, client: redis.Redis, load: StoreLoad) -> str | None:
+    def _fetcher(self) -> Any:
+        """fetch(keys, sinks) -> per key None | header bytes | problem str (payload in sink)."""
+        try:
+            reader = BlockReader(self.options.url, self.options.timeout_s)
+        except ValueError:  # TLS and other URLs: redis-py parses, one more copy
+            reader = None
+        client = self._client(self.options.timeout_s)
+
+        def fetch(keys: list[str] | None, sinks: list[memoryview]) -> list[Any]:
+            if keys is None:
+                if reader is not None:
+                    reader.close()
+                client.close()
+                return []
+            if reader is not None:
+                return reader.get_into(keys, _HEADER.size, sinks)
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            out: list[Any] = []
+            for value, sink in zip(pipe.execute(), sinks, strict=True):
+                if value is None or len(value) != _HEADER.size + len(sink):
+                    out.append(
+                        None
+                        if value is None
+                        else f"stored value is {len(value)} bytes, "
+                        f"expected {_HEADER.size + len(sink)}"
+                    )
+                    continue
+                sink[:] = memoryview(value)[_HEADER.size :]
+                out.append(bytes(value[: _HEADER.size]))
+            return out
+
+        return fetch
+
+    def _load(self, fetch: Any, load: StoreLoad) -> str | None:
         blocks = self.blocks
         assert blocks is not None
         nbytes = self.engine_info.block_nbytes
+        on_cpu = blocks.device.type == "cpu"
         deadline = time.monotonic() + (self.options.wait_s if load.wait else 0.0)
         missing = list(range(len(load.keys)))
         while True:
             still = []
             for chunk in self._chunks(len(missing)):
                 idx = [missing[i] for i in chunk]
-                pipe = client.pipeline(transaction=False)
-                for i in idx:
-                    pipe.get(load.keys[i])
-                for i, value in zip(idx, pipe.execute(), strict=True):
-                    if value is None:
+                # CPU: payloads land in the KV blocks themselves; CUDA: through host buffers.
+                sinks = [
+                    memoryview(blocks[load.block_ids[i]].numpy())
+                    if on_cpu
+                    else memoryview(bytearray(nbytes))
+                    for i in idx
+                ]
+                for i, head, sink in zip(
+                    idx, fetch([load.keys[i] for i in idx], sinks), sinks, strict=True
+                ):
+                    if head is None:
                         still.append(i)
                         continue
-                    problem = self._check_value(value, nbytes)
+                    problem = head if isinstance(head, str) else self._check(head, sink)
                     if problem is not None:
                         return f"block {i} ({load.keys[i]}): {problem}"
-                    self._land(value, blocks[load.block_ids[i]], nbytes)
+                    if not on_cpu:
+                        import torch
+
+                        blocks[load.block_ids[i]].copy_(torch.frombuffer(sink, dtype=torch.uint8))
             missing = still
             if not missing:
                 return None
@@ -339,27 +384,14 @@ class RedisConnector(KVConnectorBase):
                 )
             time.sleep(0.02)
 
-    @staticmethod
-    def _land(value: bytes, dst: torch.Tensor, nbytes: int) -> None:
-        """Copy a stored block's payload into `dst` ([block_nbytes] uint8), one copy on CPU."""
-        src = np.frombuffer(value, dtype=np.uint8, offset=_HEADER.size, count=nbytes)
-        if dst.device.type == "cpu":
-            dst.numpy()[:] = src
-        else:
-            import torch
-
-            dst.copy_(torch.from_numpy(src.copy()))
-
-    def _check_value(self, value: bytes, nbytes: int) -> str | None:
-        if len(value) != _HEADER.size + nbytes:
-            return f"stored value is {len(value)} bytes, expected {_HEADER.size + nbytes}"
-        magic, flags, checksum = _HEADER.unpack_from(value)
+    def _check(self, head: bytes, payload: memoryview) -> str | None:
+        magic, flags, checksum = _HEADER.unpack(head)
         if magic != _MAGIC:
             return "stored value is not a splitserve KV block"
         if self.config.verify:
             if not flags & _HAS_CHECKSUM:
                 return "verify is on but the block was stored without a checksum"
-            if xxhash.xxh64_intdigest(memoryview(value)[_HEADER.size :]) != checksum:
+            if xxhash.xxh64_intdigest(payload) != checksum:
                 return "checksum mismatch"
         return None
 

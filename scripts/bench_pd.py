@@ -1,0 +1,148 @@
+"""Colocated vs 1P1D on one mixed workload, plus the router's added latency.
+
+`python scripts/bench_pd.py [--model DIR] [--out bench_pd.json]`
+
+Workload: `--decoders` streams with short prompts and long outputs start first; while they
+decode, `--long` long-prompt requests arrive every `--gap` seconds. Colocated: one instance on
+all cores behind the router. 1P1D: prefill pinned to core 0, decode to core 1 (sched_setaffinity
+on the whole process group). Reported: TTFT and TPOT p50/p99, goodput (requests/s meeting both
+SLOs), and the router's p50 overhead (same 1-token request through the router vs direct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import Fleet, resolve_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    start, first, times = time.perf_counter(), None, []
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                now = time.perf_counter()
+                first = first or now
+                times.append(now)
+    end = time.perf_counter()
+    n = max(1, len(times) - 1)
+    return {"ttft": (first or end) - start, "tpot": (end - (first or end)) / n,
+            "latency": end - start}
+
+
+async def workload(url: str, args: argparse.Namespace) -> list[dict]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(one(client, url, f"story {i}:", args.decode_tokens))
+                 for i in range(args.decoders)]
+        await asyncio.sleep(1.0)
+        long_prompt = "The quick brown fox jumps over the lazy dog. " * args.long_repeat
+        for i in range(args.long):
+            tasks.append(asyncio.create_task(one(client, url, f"{i} {long_prompt}", 16)))
+            await asyncio.sleep(args.gap)
+        return await asyncio.gather(*tasks)
+
+
+async def overhead(router: str, instance: str, n: int) -> dict:
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def lat(url: str) -> float:
+            t = time.perf_counter()
+            r = await client.post(f"{url}/v1/completions",
+                                  json={"prompt": "hi", "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            return time.perf_counter() - t
+        for _ in range(5):
+            await lat(router), await lat(instance)
+        via = [await lat(router) for _ in range(n)]
+        direct = [await lat(instance) for _ in range(n)]
+    return {"router_p50_ms": statistics.median(via) * 1e3,
+            "direct_p50_ms": statistics.median(direct) * 1e3,
+            "overhead_p50_ms": (statistics.median(via) - statistics.median(direct)) * 1e3}
+
+
+def pin(fleet: Fleet, name: str, cpus: set[int]) -> None:
+    pgid = fleet.child(name).proc.pid
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.getpgid(int(pid)) == pgid:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.sched_setaffinity(int(tid), cpus)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def summarize(results: list[dict], args: argparse.Namespace, wall: float) -> dict:
+    ttft = [r["ttft"] for r in results]
+    tpot = [r["tpot"] for r in results]
+    good = sum(r["ttft"] <= args.slo_ttft and r["tpot"] <= args.slo_tpot for r in results)
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "tpot_p50": pct(tpot, 0.5),
+            "tpot_p99": pct(tpot, 0.99), "goodput_rps": good / wall, "requests": len(results)}
+
+
+def run(config: str, args: argparse.Namespace, port: int) -> dict:
+    overrides = {"router": {"port": port}, "prefill": {"base_port": port + 10},
+                 "decode": {"base_port": port + 20}, "colocated": {"base_port": port + 30}}
+    if config == "colocated":
+        overrides["engine"] = {"num_threads": max(1, len(os.sched_getaffinity(0)))}
+    path, fleet_cfg = resolve_config(str(ROOT / "configs" / f"{config}.yaml"), args.model, None,
+                                     overrides)
+    with Fleet(path, fleet_cfg, quiet=True) as fleet:
+        fleet.start()
+        if config != "colocated":
+            cpus = sorted(os.sched_getaffinity(0))
+            pin(fleet, "prefill-0", {cpus[0]})
+            pin(fleet, "decode-0", {cpus[-1]})
+        t = time.perf_counter()
+        results = asyncio.run(workload(fleet.url, args))
+        out = summarize(results, args, time.perf_counter() - t)
+        instance = fleet_cfg.instances()[-1][2]
+        out.update(asyncio.run(overhead(fleet.url, instance, args.overhead_n)))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(ROOT / "models" / "tiny-llama"))
+    p.add_argument("--pd-config", default="1p1d-nixl")
+    p.add_argument("--decoders", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--long", type=int, default=8)
+    p.add_argument("--long-repeat", type=int, default=150, help="long prompt ≈ 10×this tokens")
+    p.add_argument("--gap", type=float, default=0.5)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--overhead-n", type=int, default=50)
+    p.add_argument("--out", default="bench_pd.json")
+    args = p.parse_args()
+    rows = {"colocated": run("colocated", args, 31000), args.pd_config: run(args.pd_config, args,
+                                                                            31100)}
+    keys = ["ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_rps", "overhead_p50_ms"]
+    print(f"{'metric':<18}" + "".join(f"{name:>14}" for name in rows))
+    for k in keys:
+        print(f"{k:<18}" + "".join(f"{rows[n][k]:>14.4f}" for n in rows))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

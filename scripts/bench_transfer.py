@@ -1,0 +1,317 @@
+"""KV transfer throughput of each connector between two processes, against a plain copy.
+
+For each connector, preset and dtype: a producer and a consumer `SimEngine` (see
+kv_connector/driver.py) in two spawned processes move N blocks through the connector API, the way
+the engine drives it; the consumer times each load from `start_load_kv` to `get_finished`
+reporting it (redis: the producer's save is timed too). The same run measures a single-threaded
+in-process `dst.copy_(src)` of the same bytes, the ceiling a transport is compared with.
+
+    python scripts/bench_transfer.py                      # all connectors, tiny + small
+    python scripts/bench_transfer.py --connectors nixl --presets small --blocks 512
+
+Prints a table, writes JSON (and a PNG when matplotlib is installed) under bench_results/.
+Redis: a private redis-server is started on a free port unless --redis-url is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"nixl": 0.5, "nccl": 0.3, "redis": 0.15}  # fraction of the single-thread copy
+
+
+def copy_gbps(nbytes: int, repeats: int) -> float:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.rand(nbytes // 4).add_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+class RedisProcess:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                "0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis.from_url(self.url).flushall()
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def bench_one(
+    connector: str,
+    preset: str,
+    dtype: str,
+    num_blocks: int,
+    repeats: int,
+    scattered: bool,
+    redis_url: str | None,
+) -> list[dict[str, Any]]:
+    from dataclasses import replace
+
+    from splitserve.kv_connector.driver import PRESETS, RemoteEngine
+
+    shape = replace(PRESETS[preset], dtype=dtype)
+    options: dict[str, Any] = {"timeout_s": 60}
+    if connector == "redis":
+        options = {"url": redis_url, "timeout_s": 60, "wait_s": 0}
+    config = {"connector": connector, "options": options, "lease_s": 300}
+    total = num_blocks + 4
+    engines = [
+        RemoteEngine(
+            {**config, "kv_role": role},
+            shape,
+            total,
+            f"{role}-bench",
+            seed=seed,
+            wait=False,
+            shuffle_blocks=scattered,
+            step_interval_s=0.0002,
+        )
+        for role, seed in (("producer", 1), ("consumer", 2))
+    ]
+    p, d = (e.ready() for e in engines)
+    tokens = num_blocks * shape.block_size
+    nbytes = num_blocks * shape.block_nbytes
+    loads, saves = [], []
+    try:
+        for i in range(repeats + 1):  # the first one handshakes / builds the pair: not timed
+            prompt = [i * tokens + t for t in range(tokens)]
+            out = p.call("prefill", f"p{i}", prompt, {"do_remote_decode": True})
+            if connector == "redis":  # the save must land before the load reads it
+                p.wait_for(lambda s, i=i: f"p{i}" in s["done_sending"], 120, interval=0.001)
+                saves.append(p.call("held_seconds", f"p{i}"))
+            d.call("load", f"d{i}", prompt + [1], out["params"])
+            status = d.wait_for(
+                lambda s, i=i: f"d{i}" in s["done_recving"] or f"d{i}" in s["failed"],
+                120,
+                interval=0.001,
+            )
+            if f"d{i}" not in status["done_recving"]:
+                raise RuntimeError(f"{connector}: load failed: {status['failed']}")
+            loads.append(status["done_recving"][f"d{i}"])
+            p.wait_for(lambda s, i=i: f"p{i}" in s["done_sending"], 120, interval=0.001)
+            d.call("finish", f"d{i}")
+            d.wait_for(lambda s: s["num_free"] == total, 30, interval=0.001)
+    finally:
+        p.close()
+        d.close()
+    rows = []
+    for op, times in (("load", loads[1:]), ("save", saves[1:])):
+        if times:
+            seconds = statistics.median(times)
+            rows.append(
+                {
+                    "connector": connector,
+                    "preset": preset,
+                    "dtype": dtype,
+                    "op": op,
+                    "blocks": num_blocks,
+                    "block_bytes": shape.block_nbytes,
+                    "layout": "scattered" if scattered else "contiguous",
+                    "bytes": nbytes,
+                    "median_s": seconds,
+                    "gbps": nbytes / seconds / 1e9,
+                    "times_s": times,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connectors", default="nixl,nccl,redis")
+    ap.add_argument("--presets", default="tiny,small")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--blocks", type=int, default=256, help="blocks per transfer")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--layout",
+        choices=["contiguous", "scattered", "both"],
+        default="both",
+        help="block ids as a fresh allocation (runs) or shuffled (one per block)",
+    )
+    ap.add_argument("--redis-url", default=None, help="use this server instead of a private one")
+    ap.add_argument("--out", default="bench_results/bench_transfer.json")
+    args = ap.parse_args()
+
+    connectors = [c for c in args.connectors.split(",") if c]
+    redis = None
+    if "redis" in connectors and args.redis_url is None:
+        try:
+            redis = RedisProcess()
+        except RuntimeError as e:
+            print(f"skipping redis: {e}")
+            connectors.remove("redis")
+    redis_url = args.redis_url or (redis.url if redis else None)
+    layouts = {"both": [False, True], "contiguous": [False], "scattered": [True]}[args.layout]
+    rows: list[dict[str, Any]] = []
+    try:
+        for preset in args.presets.split(","):
+            for dtype in args.dtypes.split(","):
+                for connector in connectors:
+                    for scattered in layouts:
+                        if redis is not None:
+                            redis.flush()
+                        for row in bench_one(
+                            connector,
+                            preset,
+                            dtype,
+                            args.blocks,
+                            args.repeats,
+                            scattered,
+                            redis_url,
+                        ):
+                            row["copy_gbps"] = copy_gbps(row["bytes"], 2 * args.repeats + 1)
+                            row["ratio"] = row["gbps"] / row["copy_gbps"]
+                            row["target"] = TARGETS.get(connector)
+                            rows.append(row)
+                            _print_row(row, header=len(rows) == 1)
+    finally:
+        if redis is not None:
+            redis.stop()
+    _write(rows, Path(args.out))
+
+
+def _print_row(row: dict[str, Any], header: bool) -> None:
+    cols = (
+        "connector",
+        "op",
+        "preset",
+        "dtype",
+        "layout",
+        "blocks",
+        "MiB",
+        "median ms",
+        "GB/s",
+        "copy GB/s",
+        "ratio",
+        "target",
+    )
+    widths = (9, 4, 5, 8, 10, 6, 7, 9, 6, 9, 5, 6)
+    if header:
+        print(" ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    target = row["target"]
+    ok = "" if target is None else (" ok" if row["ratio"] >= target else " LOW")
+    values = (
+        row["connector"],
+        row["op"],
+        row["preset"],
+        row["dtype"],
+        row["layout"],
+        str(row["blocks"]),
+        f"{row['bytes'] / 2**20:.1f}",
+        f"{row['median_s'] * 1e3:.2f}",
+        f"{row['gbps']:.2f}",
+        f"{row['copy_gbps']:.2f}",
+        f"{row['ratio']:.2f}",
+        f"{target}{ok}" if target is not None else "-",
+    )
+    print(" ".join(v.rjust(w) for v, w in zip(values, widths, strict=True)), flush=True)
+
+
+def _write(rows: list[dict[str, Any]], out: Path) -> None:
+    import torch
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "loadavg": Path("/proc/loadavg").read_text().strip()
+        if Path("/proc/loadavg").exists()
+        else None,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    try:
+        from importlib.metadata import version
+
+        meta["nixl"] = version("nixl")
+    except Exception:
+        meta["nixl"] = None
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out} (loadavg {meta['loadavg']})")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [
+        f"{r['connector']} {r['op']}\n{r['preset']} {r['dtype'][:4]} {r['layout'][:4]}"
+        for r in rows
+    ]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.7), 4))
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows])
+    for i, r in enumerate(rows):
+        if r["target"] is not None:
+            ax.hlines(r["target"], i - 0.4, i + 0.4, colors="red")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("GB/s / single-thread copy GB/s")
+    ax.set_title("KV transfer between two processes (red: target)")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(f"wrote {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
