@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -176,25 +177,29 @@ Subcommand = tuple[
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": ("serve one colocated instance (OpenAI-compatible HTTP)", _add_serve, cmd_serve),
 }
-_ROLE_MODULES = {
-    "prefill": ("one prefill instance of a fleet", "splitserve.prefill.role"),
-    "decode": ("one decode instance of a fleet", "splitserve.decode.role"),
-}
+_FLEET_ROLES = ("prefill", "decode", "colocated")
 
 
 def subcommands() -> dict[str, Subcommand]:
-    """SUBCOMMANDS plus the role subcommands whose packages are present."""
+    """SUBCOMMANDS plus one per fleet role: `splitserve ROLE --config FLEET.yaml --index N`.
+
+    A role's package (`splitserve.prefill.role`, ...) supplies `add_args` and `run` when it
+    exists; otherwise the generic `engine.fleet` entry point serves the role.
+    """
     import importlib
 
+    from splitserve.engine import fleet
+
     found = dict(SUBCOMMANDS)
-    for name, (help_text, module_name) in _ROLE_MODULES.items():
-        if name in found:
+    for role in _FLEET_ROLES:
+        if role in found:
             continue
+        help_text = f"one {role} instance of a fleet (--config FLEET.yaml --index N)"
         try:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(f"splitserve.{role}.role")
+            found[role] = (help_text, module.add_args, module.run)
         except ImportError:
-            continue
-        found[name] = (help_text, module.add_args, module.run)
+            found[role] = (help_text, fleet.add_role_args, functools.partial(fleet.run_role, role))
     return found
 
 

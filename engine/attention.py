@@ -85,21 +85,46 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q, kv_cache, layer, meta):
+        """Single-token queries, batched in groups of similar context length.
+
+        Each group is padded to its longest context; sorting by length and cutting a group when
+        the length grows by half bounds the padding, which matters when short and long requests
+        decode together (the gather and the matmuls are memory-bound).
+        """
         nd = meta.num_decodes
-        max_len = max(meta.seq_lens_cpu[:nd])
-        table = meta.block_tables[:nd, : -(-max_len // self.block_size)]
+        lens = meta.seq_lens_cpu[:nd]
+        order = sorted(range(nd), key=lens.__getitem__)
+        out = torch.empty_like(q)
+        start = 0
+        while start < nd:
+            end = start + 1
+            while end < nd and (lens[order[end]] <= 1.5 * lens[order[start]] or end - start < 8):
+                end += 1
+            idx = order[start:end]
+            if end - start == nd:  # one group, in batch order: no gather of q / scatter of out
+                return self._decode_group(q, kv_cache, layer, meta.block_tables[:nd],
+                                          meta.seq_lens[:nd], max(lens))
+            rows = torch.tensor(idx)
+            out[rows] = self._decode_group(q[rows], kv_cache, layer, meta.block_tables[rows],
+                                           meta.seq_lens[rows], lens[order[end - 1]])
+            start = end
+        return out
+
+    def _decode_group(self, q, kv_cache, layer, block_tables, seq_lens, max_len):
+        n = q.shape[0]
+        table = block_tables[:, : -(-max_len // self.block_size)]
         # [S, T, Hkv, D] → [S, Hkv, T, D]: the batched matmuls below want contiguous heads.
         keys = self._gather(kv_cache, layer, table, 0)[:, :max_len].transpose(1, 2).contiguous()
         values = self._gather(kv_cache, layer, table, 1)[:, :max_len].transpose(1, 2).contiguous()
         group = self.num_heads // self.num_kv_heads
         # The query heads of one KV head act as that head's "query length": [S, Hkv, G, D].
-        qg = q.view(nd, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [S, Hkv, G, T]
-        invalid = torch.arange(max_len)[None, :] >= meta.seq_lens[:nd, None]  # [S, T]
+        qg = q.view(n, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [S, Hkv, G, T]
+        invalid = torch.arange(max_len)[None, :] >= seq_lens[:, None]  # [S, T]
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.mul_(self.scale), dim=-1).to(q.dtype)
         o = torch.matmul(probs, values)  # [S, Hkv, G, D]
-        return o.reshape(nd, self.num_heads, self.head_dim)
+        return o.reshape(n, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, kv_cache, layer, meta, s):
         query_len, seq_len = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]

@@ -20,6 +20,7 @@ with `RequestRejected` at once; a bad request never takes the core down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -137,9 +138,21 @@ def run_engine_core(
         if core is not None:
             core.shutdown()
         ctx.destroy(linger=0)
+        if os.getppid() != parent_pid:  # killed front end: nobody else will clean its sockets
+            _remove_ipc(input_addr, output_addr)
         logging.shutdown()
     # Everything is released; skip the interpreter's teardown of torch (about a second).
     os._exit(exit_code)
+
+
+def _remove_ipc(*addrs: str) -> None:
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            path = addr.removeprefix("ipc://")
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))  # only when empty: never more than ours
 
 
 def _raise_shutdown(signum: int, frame: Any) -> None:

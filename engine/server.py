@@ -103,7 +103,6 @@ class BodyLimitMiddleware:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return await self._reject(scope, receive, send)
         received = 0
-        started = False
 
         async def counting_receive() -> dict:
             nonlocal received
@@ -114,16 +113,12 @@ class BodyLimitMiddleware:
                     raise _BodyTooLarge()
             return message
 
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        # Only `receive` is wrapped (a wrapped `send` would cost a call per streamed chunk): the
+        # routes read the whole body before they answer, so nothing was sent when this raises.
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, send)
         except _BodyTooLarge:
-            if not started:
-                await self._reject(scope, receive, send)
+            await self._reject(scope, receive, send)
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
         response = error_response(
@@ -330,6 +325,8 @@ async def serve(
         )
         await server.serve()
         watchdog.cancel()
+        if engine.is_dead:  # not a requested stop: let the supervisor see a failure
+            raise EngineDeadError(f"engine core died: {engine.dead_reason}")
     finally:
         await engine.shutdown()
         logger.info("shut down")

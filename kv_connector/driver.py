@@ -206,6 +206,22 @@ class SimEngine:
         self.worker.start_load_kv(meta)
         self.worker.save_kv(meta)
 
+    def run_until(
+        self, request_ids: list[str], timeout: float, interval_s: float = 0.0002
+    ) -> dict[str, Any]:
+        """Step until each request is reported (loaded, failed or released); then status().
+
+        Waiting here instead of polling status() over the pipe keeps the other processes idle
+        while a transfer runs (benchmarks)."""
+        deadline = time.monotonic() + timeout
+        done = (self.done_recving, self.failed, self.done_sending)
+        while not all(any(r in d for d in done) for r in request_ids):
+            if time.monotonic() > deadline:
+                break
+            self.step()
+            time.sleep(interval_s)
+        return self.status()
+
     # ------------------------------------------------------------ inspection
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id][1])

@@ -86,6 +86,15 @@ def first_mismatch(expected: list[int], actual: list[int]) -> int | None:
     return None
 
 
+def bounded_put(d: dict, key: object, value: object, limit: int = 8192) -> None:
+    """d[key] = value, dropping the oldest entries past `limit` (scheduler-side per-request
+    state of requests the engine aborted without telling the connector)."""
+    d.pop(key, None)
+    d[key] = value
+    while len(d) > limit:
+        del d[next(iter(d))]
+
+
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 

@@ -30,23 +30,33 @@ from typing import Any
 TARGETS = {"nixl": 0.5, "nccl": 0.3, "redis": 0.15}  # fraction of the single-thread copy
 
 
-def copy_gbps(nbytes: int, repeats: int) -> float:
-    import torch
+class Copier:
+    """Single-threaded in-process `dst.copy_(src)` of the same bytes: the ceiling to compare with.
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = torch.rand(nbytes // 4).add_(1)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # fault the pages in
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times) / 1e9
-    finally:
-        torch.set_num_threads(threads)
+    Measured right after each transfer, so both see the same machine load."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.nbytes = nbytes
+        self.src = torch.rand(nbytes // 4).add_(1)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # fault the pages in
+
+    def seconds(self, repeats: int = 3) -> float:
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.dst.copy_(self.src)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        finally:
+            torch.set_num_threads(threads)
 
 
 class RedisProcess:
@@ -100,16 +110,18 @@ def bench_one(
     connector: str,
     preset: str,
     dtype: str,
-    num_blocks: int,
+    mib: float,
     repeats: int,
     scattered: bool,
     redis_url: str | None,
 ) -> list[dict[str, Any]]:
+    """Median load (and redis save) time and GB/s of one configuration, with the copy ratio."""
     from dataclasses import replace
 
     from splitserve.kv_connector.driver import PRESETS, RemoteEngine
 
     shape = replace(PRESETS[preset], dtype=dtype)
+    num_blocks = max(1, int(mib * 2**20) // shape.block_nbytes)
     options: dict[str, Any] = {"timeout_s": 60}
     if connector == "redis":
         options = {"url": redis_url, "timeout_s": 60, "wait_s": 0}
@@ -124,55 +136,59 @@ def bench_one(
             seed=seed,
             wait=False,
             shuffle_blocks=scattered,
-            step_interval_s=0.0002,
+            step_interval_s=0.001,
         )
         for role, seed in (("producer", 1), ("consumer", 2))
     ]
     p, d = (e.ready() for e in engines)
     tokens = num_blocks * shape.block_size
     nbytes = num_blocks * shape.block_nbytes
-    loads, saves = [], []
+    copier = Copier(nbytes)
+    times: dict[str, list[float]] = {"load": [], "save": []}
+    copies: list[float] = []
     try:
         for i in range(repeats + 1):  # the first one handshakes / builds the pair: not timed
             prompt = [i * tokens + t for t in range(tokens)]
             out = p.call("prefill", f"p{i}", prompt, {"do_remote_decode": True})
             if connector == "redis":  # the save must land before the load reads it
-                p.wait_for(lambda s, i=i: f"p{i}" in s["done_sending"], 120, interval=0.001)
-                saves.append(p.call("held_seconds", f"p{i}"))
+                p.call("run_until", [f"p{i}"], 120, timeout=130)
+                times["save"].append(p.call("held_seconds", f"p{i}"))
             d.call("load", f"d{i}", prompt + [1], out["params"])
-            status = d.wait_for(
-                lambda s, i=i: f"d{i}" in s["done_recving"] or f"d{i}" in s["failed"],
-                120,
-                interval=0.001,
-            )
+            status = d.call("run_until", [f"d{i}"], 120, timeout=130)
             if f"d{i}" not in status["done_recving"]:
                 raise RuntimeError(f"{connector}: load failed: {status['failed']}")
-            loads.append(status["done_recving"][f"d{i}"])
-            p.wait_for(lambda s, i=i: f"p{i}" in s["done_sending"], 120, interval=0.001)
+            times["load"].append(status["done_recving"][f"d{i}"])
+            copies.append(copier.seconds())
+            p.call("run_until", [f"p{i}"], 120, timeout=130)
             d.call("finish", f"d{i}")
-            d.wait_for(lambda s: s["num_free"] == total, 30, interval=0.001)
     finally:
         p.close()
         d.close()
     rows = []
-    for op, times in (("load", loads[1:]), ("save", saves[1:])):
-        if times:
-            seconds = statistics.median(times)
-            rows.append(
-                {
-                    "connector": connector,
-                    "preset": preset,
-                    "dtype": dtype,
-                    "op": op,
-                    "blocks": num_blocks,
-                    "block_bytes": shape.block_nbytes,
-                    "layout": "scattered" if scattered else "contiguous",
-                    "bytes": nbytes,
-                    "median_s": seconds,
-                    "gbps": nbytes / seconds / 1e9,
-                    "times_s": times,
-                }
-            )
+    for op, ts in times.items():
+        if not ts:
+            continue
+        ts, cs = ts[1:], copies[1:]
+        rows.append(
+            {
+                "connector": connector,
+                "preset": preset,
+                "dtype": dtype,
+                "op": op,
+                "layout": "scattered" if scattered else "contiguous",
+                "blocks": num_blocks,
+                "block_bytes": shape.block_nbytes,
+                "bytes": nbytes,
+                "median_s": statistics.median(ts),
+                "gbps": nbytes / statistics.median(ts) / 1e9,
+                "copy_gbps": nbytes / statistics.median(cs) / 1e9,
+                # per repeat, transfer and copy side by side: robust to the load drifting
+                "ratio": statistics.median(c / t for t, c in zip(ts, cs, strict=True)),
+                "target": TARGETS.get(connector),
+                "times_s": ts,
+                "copy_times_s": cs,
+            }
+        )
     return rows
 
 
@@ -181,12 +197,12 @@ def main() -> None:
     ap.add_argument("--connectors", default="nixl,nccl,redis")
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--blocks", type=int, default=256, help="blocks per transfer")
+    ap.add_argument("--mib", type=float, default=64, help="MiB per transfer (whole blocks)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--layout",
         choices=["contiguous", "scattered", "both"],
-        default="both",
+        default="contiguous",
         help="block ids as a fresh allocation (runs) or shuffled (one per block)",
     )
     ap.add_argument("--redis-url", default=None, help="use this server instead of a private one")
@@ -212,17 +228,8 @@ def main() -> None:
                         if redis is not None:
                             redis.flush()
                         for row in bench_one(
-                            connector,
-                            preset,
-                            dtype,
-                            args.blocks,
-                            args.repeats,
-                            scattered,
-                            redis_url,
+                            connector, preset, dtype, args.mib, args.repeats, scattered, redis_url
                         ):
-                            row["copy_gbps"] = copy_gbps(row["bytes"], 2 * args.repeats + 1)
-                            row["ratio"] = row["gbps"] / row["copy_gbps"]
-                            row["target"] = TARGETS.get(connector)
                             rows.append(row)
                             _print_row(row, header=len(rows) == 1)
     finally:

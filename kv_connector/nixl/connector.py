@@ -160,7 +160,8 @@ class NixlConnector(P2PConnectorBase):
             self._io_confirm(load)
         elif state == "ERR":
             self._reading.pop(rid, None)
-            self._io_fail(load, "NIXL transfer failed (state ERR)")
+            self._io_fail(load, "NIXL transfer failed (state ERR)", release=False)
+            self._io_peer_failed(load.peer, "NIXL transfer failed (state ERR)")
         else:
             self._reading[rid] = load
 
@@ -168,9 +169,11 @@ class NixlConnector(P2PConnectorBase):
         self._reading.pop(load.spec.request_id, None)
         reason = f"{type(e).__name__}: {e}"
         if "Disconnect" in type(e).__name__:
-            self._io_peer_failed(load.peer, f"peer disconnected ({reason})")
-        else:
-            self._io_fail(load, f"NIXL transfer failed ({reason})")
+            reason = f"peer disconnected ({reason})"
+        # Drop the cached agent either way: a producer that restarted on the same address
+        # gets a fresh handshake on the next request instead of failing them all.
+        self._io_fail(load, f"NIXL transfer failed ({reason})", release=False)
+        self._io_peer_failed(load.peer, f"NIXL transfer failed ({reason})")
 
     def _io_progress(self) -> None:
         if self._io_busy():

@@ -38,7 +38,7 @@ from splitserve.kv_connector.base import (
     RequestView,
 )
 from splitserve.kv_connector.config import ConnectorOptions, KVTransferConfig
-from splitserve.kv_connector.layout import block_bytes, block_range
+from splitserve.kv_connector.layout import block_bytes, block_range, bounded_put
 from splitserve.kv_connector.redis.resp import BlockReader
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<4sIQ")  # magic, flags, checksum
 _MAGIC = b"SSKV"
 _HAS_CHECKSUM = 1
+_LOOKUP_BACKOFF_S = 5
 
 
 class RedisOptions(ConnectorOptions):
@@ -105,6 +106,7 @@ class RedisConnector(KVConnectorBase):
         self._prefix = f"{self.options.key_prefix}:{engine_info.model_fingerprint}:"
         # Scheduler side.
         self._lookup_client: redis.Redis | None = None
+        self._lookup_down_until = 0.0  # after a failed lookup, skip lookups for a while
         self._pending: dict[str, _Pending] = {}
         self._loaded_blocks: dict[str, int] = {}  # request → blocks [0, n) known to be stored
         self._meta = RedisMetadata()
@@ -120,9 +122,16 @@ class RedisConnector(KVConnectorBase):
 
     def _client(self, timeout_s: float) -> redis.Redis:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
+        # One immediate retry (a stale pooled connection), never a backoff: a load or a lookup
+        # that cannot reach the store should fail within timeout_s, not after a retry schedule.
         return redis.Redis.from_url(
-            self.options.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            self.options.url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
         )
 
     def key(self, block_hash: bytes) -> str:
@@ -160,12 +169,15 @@ class RedisConnector(KVConnectorBase):
         num -= num_computed_tokens
         if num <= 0:
             return 0, False
-        self._pending[request.request_id] = _Pending(keys, num_computed_tokens, wait, error)
+        bounded_put(
+            self._pending, request.request_id, _Pending(keys, num_computed_tokens, wait, error)
+        )
         return num, True
 
     def _count_stored(self, keys: list[str], request_id: str) -> int:
-        """Length of the leading run of keys present in the store (0 when it is unreachable)."""
-        if not keys:
+        """Length of the leading run of keys present in the store (0 when it is unreachable:
+        then lookups pause for a few seconds, so a hung server cannot stall every request)."""
+        if not keys or time.monotonic() < self._lookup_down_until:
             return 0
         import redis
 
@@ -177,7 +189,13 @@ class RedisConnector(KVConnectorBase):
                 pipe.exists(k)
             found = pipe.execute()
         except redis.RedisError as e:
-            logger.warning("%s: Redis lookup failed (%s); computing locally", request_id, e)
+            self._lookup_down_until = time.monotonic() + _LOOKUP_BACKOFF_S
+            logger.warning(
+                "%s: Redis lookup failed (%s); computing locally, no lookups for %ds",
+                request_id,
+                e,
+                _LOOKUP_BACKOFF_S,
+            )
             return 0
         hits = 0
         for present in found:
@@ -199,7 +217,7 @@ class RedisConnector(KVConnectorBase):
         error = pending.error
         if error is None and (len(keys) < len(rng) or rng.stop > len(block_ids)):
             error = f"{len(rng)} blocks to load but {len(keys)} hashes and {len(block_ids)} blocks"
-        self._loaded_blocks[request.request_id] = rng.stop
+        bounded_put(self._loaded_blocks, request.request_id, rng.stop)
         self._meta.loads.append(
             StoreLoad(
                 request_id=request.request_id,
