@@ -23,6 +23,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of the request already hashed in
+        self.req_to_block_ids: dict[str, list[int]] = {}  # the same, as ids (read-only outside)
 
     @property
     def num_blocks(self) -> int:
@@ -73,20 +74,33 @@ class KVCacheManager:
         `new_computed_blocks`.) Full blocks get their hash registered at once, unless
         `delay_caching`: blocks that a KV transfer will fill must not be shared before they land.
         """
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        if req_blocks is not None and not new_computed_blocks and not num_external_tokens:
+            # Fast path, taken by almost every decode step: the last block still has room.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(req_blocks) * self.block_size:
+                if (self.enable_caching and not delay_caching
+                        and total // self.block_size > self.num_cached_blocks.get(rid, 0)):
+                    self.cache_blocks(request, min(total, request.num_tokens))
+                return []
         new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_blocks = self.req_to_blocks.setdefault(rid, [])
         total = request.num_computed_tokens + num_external_tokens + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(req_blocks) - len(new_computed_blocks)
         # Hits that are free right now count against the free pool once we take them.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new > self.block_pool.num_free_blocks - num_free_hits:
             if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+                del self.req_to_blocks[rid]
             return None
         self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new, 0))
+        req_blocks.extend(new_computed_blocks)
         req_blocks.extend(new_blocks)
+        ids = self.req_to_block_ids.setdefault(rid, [])
+        ids.extend(b.block_id for b in new_computed_blocks)
+        ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching and not delay_caching:
             self.cache_blocks(request, min(total, request.num_tokens))
         return new_blocks
@@ -106,11 +120,13 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so its prompt head is evicted last)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block table; a live list the caller must not modify."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def usage(self) -> float:
         return self.block_pool.usage()

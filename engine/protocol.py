@@ -312,3 +312,9 @@ class ModelCard(OpenAIModel):
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class KVReleaseRequest(OpenAIModel):
+    """`POST /v1/kv/release`: the producer's request id (`kv_transfer_params.remote_request_id`)."""
+
+    request_id: str = Field(min_length=1)

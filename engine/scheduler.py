@@ -162,7 +162,7 @@ class Scheduler:
         if self.kv.allocate_slots(request, 0, hits, num_external, delay_caching=True) is None:
             return False
         self.waiting.pop()
-        block_ids = self.kv.get_block_ids(request.request_id)
+        block_ids = list(self.kv.get_block_ids(request.request_id))
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_external_tokens = num_external
@@ -220,7 +220,7 @@ class Scheduler:
         if notify_connector:
             self.kv.update_block_hashes(request)
             delay, params = self.connector.request_finished(
-                request, self.kv.get_block_ids(request.request_id))
+                request, list(self.kv.get_block_ids(request.request_id)))
             if delay:
                 self.sending[request.request_id] = request
                 return params

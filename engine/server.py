@@ -39,6 +39,7 @@ from splitserve.engine.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    KVReleaseRequest,
     ModelCard,
     ModelList,
 )
@@ -239,6 +240,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, ChatCompletionRequest, serving.chat_completions)
+
+    @app.post("/v1/kv/release")
+    async def release_kv(request: Request) -> JSONResponse:
+        """Free the blocks a finished request holds for a consumer (the router calls this when
+        generation stopped at the first token, so no decode instance will pull them)."""
+        body = await parse_body(request, KVReleaseRequest)
+        engine.release_kv(body.request_id)
+        return JSONResponse({"released": body.request_id})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -10,12 +10,14 @@ client ◀── t1, t2, … (rewritten in the client's format)
 
 No prefill instance answers → decode-only: the client's original body goes to D, which
 prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer comes from P alone
-and P's held blocks are freed when its lease runs out (the router has no release call).
+and the router tells P to free its held blocks (`POST /v1/kv/release`); were that call lost,
+the lease frees them.
 Colocated fleets skip all of this: the body goes to one instance and its answer comes back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -54,6 +56,7 @@ class FleetProxy:
                  prefill_retries: int = 1) -> None:
         self.client, self.registry, self.policies = client, registry, policies
         self.metrics, self.prefill_retries = metrics, prefill_retries
+        self._background: set[asyncio.Task] = set()  # fire-and-forget releases
 
     # ------------------------------------------------------------------ picking
     def pick(self, role: str, prompt: Any = None, exclude: set[str] | None = None) -> Instance:
@@ -135,7 +138,7 @@ class FleetProxy:
             inst.in_flight += 1
             try:
                 answer = await post_json(self.client, inst, path, p_body, request_id)
-                return convert.prefill_result(answer, chat)
+                return {**convert.prefill_result(answer, chat), "prefill_url": inst.url}
             except InstanceUnavailable as err:
                 logger.warning("%s: prefill on %s failed: %s", request_id, inst.url, err)
                 self.registry.mark_down(inst, str(err))
@@ -154,6 +157,7 @@ class FleetProxy:
         stream = bool(body.get("stream"))
         self.metrics.ttft.observe(time.perf_counter() - started)
         if convert.stops_at_t0(body, chat, t0):
+            self._release_prefill_blocks(t0, request_id)
             self.metrics.latency.observe(time.perf_counter() - started)
             if stream:
                 return self._sse(self._t0_only(body, chat, request_id, model, t0), request_id)
@@ -178,6 +182,24 @@ class FleetProxy:
                          request_id)
         chunks = self._stream(body, chat, request_id, model, t0, d_body, started)
         return self._sse(chunks, request_id)
+
+    def _release_prefill_blocks(self, t0: dict[str, Any], request_id: str) -> None:
+        """No decode instance will pull this request's KV: let P free it now, not at lease end."""
+        params = t0.get("kv_transfer_params") or {}
+        remote_id = params.get("remote_request_id")
+        if not remote_id:
+            return
+
+        async def release() -> None:
+            try:
+                await self.client.post(f"{t0['prefill_url']}/v1/kv/release",
+                                       json={"request_id": remote_id}, timeout=5.0)
+            except httpx.HTTPError as err:  # the lease frees the blocks anyway
+                logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _sse(self, chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream",

@@ -14,7 +14,8 @@ SendRequest(request id, its block ids, tag) ─▶ held? mark busy, queue the se
 recv runs into its blocks ◀══ process group ══ send runs from its blocks; free (done_sending)
 ```
 
-Blocks move as contiguous runs (`contiguous_runs`): no packing copy on either side. Every
+Blocks move as contiguous runs (`contiguous_runs`), in place, when runs are long; scattered
+blocks are packed into 32 MiB messages (per-message overhead dominates small ones). Every
 blocking collective call happens on the pair's own thread with `timeout_s`; a peer that dies
 breaks its pair, fails the loads queued on it, and the next request builds a new pair.
 """
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+
+_PACK_BELOW = 1 << 20  # runs shorter than this on average travel packed
+_PACK_CHUNK = 32 << 20  # bytes per packed message
 
 
 class NcclOptions(P2POptions):
@@ -95,6 +100,7 @@ class _Pair(threading.Thread):
         )
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.broken: str | None = None
+        self._staging: list[torch.Tensor] | None = None  # two packing buffers, made on first use
 
     def run(self) -> None:
         from torch.distributed import PrefixStore
@@ -146,19 +152,76 @@ class _Pair(threading.Thread):
     def _run(self, pg: Any, job: _Job, timeout: datetime.timedelta) -> None:
         blocks = self.owner.blocks
         assert blocks is not None
-        peer = 1 - self.rank
-        works = []
-        for src, dst, n in job.runs:
-            if job.send:
-                works.append(pg.send([blocks[src : src + n]], peer, job.tag))
-            else:
-                works.append(pg.recv([blocks[dst : dst + n]], peer, job.tag))
-        for work in works:
-            work.wait(timeout)
+        nblocks = sum(n for _, _, n in job.runs)
+        if len(job.runs) > 1 and nblocks * blocks.shape[1] < _PACK_BELOW * len(job.runs):
+            self._run_packed(pg, job, timeout, blocks)
+        else:  # long runs: each one is a contiguous region, sent in place
+            peer = 1 - self.rank
+            works = []
+            for src, dst, n in job.runs:
+                if job.send:
+                    works.append(pg.send([blocks[src : src + n]], peer, job.tag))
+                else:
+                    works.append(pg.recv([blocks[dst : dst + n]], peer, job.tag))
+            for work in works:
+                work.wait(timeout)
         if self.backend == "nccl":
             import torch
 
             torch.cuda.synchronize(self.owner.device)
+
+    def _run_packed(
+        self, pg: Any, job: _Job, timeout: datetime.timedelta, blocks: torch.Tensor
+    ) -> None:
+        """Scattered blocks: gather them into chunks, one message each (per-message overhead
+        dominates small ones), through two reused staging buffers so packing overlaps the wire.
+        Both sides derive the same chunks from the same runs."""
+        import torch
+
+        ids = [(s if job.send else d) + i for s, d, n in job.runs for i in range(n)]
+        per = max(1, _PACK_CHUNK // blocks.shape[1])
+        chunks = [
+            torch.tensor(ids[i : i + per], device=blocks.device) for i in range(0, len(ids), per)
+        ]
+        if self._staging is None or self._staging[0].shape[0] < per:
+            # Reused, so pages are faulted in once (a fresh buffer per chunk costs more than
+            # the copy itself).
+            self._staging = [
+                torch.empty((per, blocks.shape[1]), dtype=torch.uint8, device=blocks.device)
+                for _ in range(2)
+            ]
+        words = _as_words(blocks)  # gather/scatter 8 bytes at a time
+        peer = 1 - self.rank
+        if job.send:
+            previous = None
+            for i, chunk in enumerate(chunks):
+                buf = self._staging[i % 2][: len(chunk)]
+                torch.index_select(words, 0, chunk, out=_as_words(buf))
+                work = pg.send([buf], peer, job.tag)
+                if previous is not None:  # the buffer chunk i + 1 packs into is free again
+                    previous.wait(timeout)
+                previous = work
+            if previous is not None:
+                previous.wait(timeout)
+            return
+        posted = [
+            pg.recv([self._staging[i % 2][: len(c)]], peer, job.tag)
+            for i, c in enumerate(chunks[:2])
+        ]
+        for i, chunk in enumerate(chunks):
+            posted[i].wait(timeout)
+            buf = self._staging[i % 2][: len(chunk)]
+            words.index_copy_(0, chunk, _as_words(buf))
+            if i + 2 < len(chunks):
+                nxt = chunks[i + 2]
+                posted.append(pg.recv([self._staging[i % 2][: len(nxt)]], peer, job.tag))
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """A [rows, nbytes] uint8 tensor as int64 words when the row size allows (faster copies)."""
+    import torch
+
+    return t.view(torch.int64) if t.shape[1] % 8 == 0 else t
 
 
 class NcclConnector(P2PConnectorBase):

@@ -16,10 +16,17 @@ SHAPE = PRESETS["tiny"]
 
 
 def _engine(
-    connector: str, role: str, engine_id: str, shape: KVShape = SHAPE, **extra: object
+    connector: str,
+    role: str,
+    engine_id: str,
+    shape: KVShape = SHAPE,
+    shuffle: bool = True,
+    **extra: object,
 ) -> SimEngine:
     config = {"connector": connector, "kv_role": role, "options": {"timeout_s": 2.0}, **extra}
-    return SimEngine(config, shape, 32, engine_id, seed=hash(engine_id) % 1000)
+    return SimEngine(
+        config, shape, 32, engine_id, seed=sum(map(ord, engine_id)), shuffle_blocks=shuffle
+    )
 
 
 def _step_until(engines: list[SimEngine], done: Callable[[], bool], timeout: float = 10) -> None:
@@ -80,8 +87,14 @@ def test_model_mismatch_fails_the_load_with_a_reason(connector: str, producer: S
         consumer.shutdown()
 
 
-def test_one_handshake_serves_many_loads(connector: str, producer: SimEngine) -> None:
-    consumer = _engine(connector, "consumer", f"d-{connector}", verify=True)
+@pytest.mark.parametrize("layout", ["scattered", "contiguous"])
+def test_one_handshake_serves_many_loads(connector: str, layout: str) -> None:
+    """Scattered tiny blocks (nccl packs them) and contiguous small ones (sent in place)."""
+    shape, shuffle = (SHAPE, True) if layout == "scattered" else (PRESETS["small"], False)
+    producer = _engine(connector, "producer", f"p-{connector}", shape=shape, shuffle=shuffle)
+    consumer = _engine(
+        connector, "consumer", f"d-{connector}", shape=shape, shuffle=shuffle, verify=True
+    )
     try:
         rids = [f"r{i}" for i in range(5)]
         outs = {
@@ -100,3 +113,4 @@ def test_one_handshake_serves_many_loads(connector: str, producer: SimEngine) ->
         _step_until([producer, consumer], lambda: len(producer.free) == 32)
     finally:
         consumer.shutdown()
+        producer.shutdown()
