@@ -55,9 +55,9 @@ class LLM:
                                "kv_transfer_params")
         requests = [self._make_request(p, sp, prio, kt) for p, sp, prio, kt
                     in zip(prompts, params, priorities, transfers, strict=True)]
-        for (text, req) in requests:
+        for _, req in requests:
             self.engine.validate_request(req)
-        for (text, req) in requests:
+        for text, req in requests:
             self.output_processor.add_request(req.request_id, text, req.prompt_token_ids,
                                               req.sampling_params)
             self.engine.add_request(req)

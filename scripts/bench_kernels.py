@@ -17,11 +17,11 @@ so a fast wrong kernel cannot go unnoticed. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import time
 import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any

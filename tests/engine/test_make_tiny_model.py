@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from splitserve.scripts import make_tiny_model as mtm
 from splitserve.scripts.make_tiny_model import make_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
 # Parameter counts of the tiny preset: llama has an untied LM head (+8192 * 256).
