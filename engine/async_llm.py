@@ -224,11 +224,6 @@ class AsyncLLM:
             self.core.send(AbortRequests([request_id]))
         logger.debug("%s: aborted", request_id)
 
-    def release_kv(self, request_id: str) -> None:
-        """Producer: free KV blocks held for a consumer that will never pull them (stop on t0)."""
-        if self.dead_reason is None:
-            self.core.send(AbortRequests([request_id]))
-
     # ------------------------------------------------------------------------------ utilities
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The core's scheduler and KV-cache counters (a round trip to the core)."""

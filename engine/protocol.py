@@ -315,6 +315,6 @@ class ModelList(OpenAIModel):
 
 
 class KVReleaseRequest(OpenAIModel):
-    """`POST /v1/kv/release`: the producer's request id (`kv_transfer_params.remote_request_id`)."""
+    """`POST /v1/kv/release`: the `kv_transfer_params` this instance returned for a request."""
 
-    request_id: str = Field(min_length=1)
+    kv_transfer_params: dict[str, Any]

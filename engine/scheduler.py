@@ -72,10 +72,8 @@ class Scheduler:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             request = self.requests.get(rid)
-            if rid in self.sending:  # producer: nobody will pull these blocks (stop on t0)
-                self.kv.free(self.sending.pop(rid))
-                self.requests.pop(rid, None)
-                continue
+            # Blocks held for a consumer (`sending`) are never freed here: the connector may
+            # still be serving or saving them; they go when it reports done_sending.
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:

@@ -44,6 +44,7 @@ from splitserve.engine.protocol import (
     ModelList,
 )
 from splitserve.engine.serving import APIError, OpenAIServing
+from splitserve.kv_connector.side_channel import release_remote_kv
 
 logger = logging.getLogger(__name__)
 
@@ -244,10 +245,13 @@ def build_app(
     @app.post("/v1/kv/release")
     async def release_kv(request: Request) -> JSONResponse:
         """Free the blocks a finished request holds for a consumer (the router calls this when
-        generation stopped at the first token, so no decode instance will pull them)."""
+        generation stopped at the first token, so no decode instance will pull them). Connectors
+        without holds (redis frees once its write lands) answer `released: false`."""
         body = await parse_body(request, KVReleaseRequest)
-        engine.release_kv(body.request_id)
-        return JSONResponse({"released": body.request_id})
+        # Through the connector's side channel, as a consumer's "done" would come: the
+        # connector owns the hold (it may be serving or saving the blocks right now).
+        held = await asyncio.to_thread(release_remote_kv, body.kv_transfer_params)
+        return JSONResponse({"released": held})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -185,15 +185,14 @@ class FleetProxy:
 
     def _release_prefill_blocks(self, t0: dict[str, Any], request_id: str) -> None:
         """No decode instance will pull this request's KV: let P free it now, not at lease end."""
-        params = t0.get("kv_transfer_params") or {}
-        remote_id = params.get("remote_request_id")
-        if not remote_id:
+        params = t0.get("kv_transfer_params")
+        if not params:
             return
 
         async def release() -> None:
             try:
                 await self.client.post(f"{t0['prefill_url']}/v1/kv/release",
-                                       json={"request_id": remote_id}, timeout=5.0)
+                                       json={"kv_transfer_params": params}, timeout=5.0)
             except httpx.HTTPError as err:  # the lease frees the blocks anyway
                 logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
 
