@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 
@@ -28,8 +29,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve router: error: {err}", file=sys.stderr)
         return 2
     app = build_fleet_app(fleet)
-    uvicorn.run(app, host=fleet.router.host, port=fleet.router.port,
-                log_level=args.log_level, access_log=False, timeout_graceful_shutdown=2)
+    # uvloop and httptools explicitly: "auto" falls back to asyncio/h11 silently.
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    uvicorn.run(app, host=fleet.router.host, port=fleet.router.port, loop=loop,
+                http="httptools", log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=2)
     return 0
 
 

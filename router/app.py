@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,21 +23,22 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.engine.fleet import FleetConfig, RouterConfig
 from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.router.metrics import CONTENT_TYPE, RouterMetrics
-from splitserve.router.pd import FleetProxy, NoInstance
+from splitserve.router.pd import FleetProxy
 from splitserve.router.policies import make_policy
 from splitserve.router.registry import ROLES, InstanceRegistry
-from splitserve.router.upstream import error_response, make_client
+from splitserve.router.upstream import InstanceUnavailable, UpstreamClient, error_response
 
 logger = logging.getLogger(__name__)
 
 
 def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI:
     """A router over `instances` ((url, role) pairs; more may register at run time)."""
-    client = make_client(config.connect_timeout_s, config.request_timeout_s)
+    client = UpstreamClient(config.connect_timeout_s, config.request_timeout_s)
     registry = InstanceRegistry(client, config.health_interval_s)
     for url, role in instances:
         registry.add(url, role)
@@ -58,18 +59,7 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI
     app = FastAPI(title="splitserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if config.api_key and request.url.path.startswith(("/v1/", "/register")):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
-                return error_response(401, "invalid or missing API key (send "
-                                      "'Authorization: Bearer <key>')", "invalid_api_key")
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > config.max_body_bytes:
-            return error_response(413, f"request body larger than {config.max_body_bytes} "
-                                  "bytes (router.max_body_bytes)", "request_too_large")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     async def handle(request: Request, model: type[BaseModel], chat: bool) -> Response:
         started = time.perf_counter()
@@ -79,10 +69,10 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI
                                   "bytes (router.max_body_bytes)", "request_too_large")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = _valid_body(raw, model)
-        mode = "colocated" if proxy.colocated else "pd"
-        metrics.requests.labels(request.url.path, mode).inc()
+        path = request.scope["path"]
+        metrics.requests.labels(path, "colocated" if proxy.colocated else "pd").inc()
         response = await _until_disconnect(
-            request, proxy.handle(request.url.path, raw, body, chat, request_id, started))
+            request, proxy.handle(path, raw, body, chat, request_id, started))
         return response if response is not None else Response(status_code=499)
 
     @app.post("/v1/completions")
@@ -98,10 +88,9 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI
         for role in ("colocated", "decode", "prefill"):
             for inst in registry.healthy(role):
                 try:
-                    r = await client.get(f"{inst.url}/v1/models")
-                    return Response(r.content, status_code=r.status_code,
-                                    media_type="application/json")
-                except Exception as err:  # noqa: BLE001 - try the next one
+                    status, content, _ = await client.request("GET", f"{inst.url}/v1/models")
+                    return Response(content, status_code=status, media_type="application/json")
+                except InstanceUnavailable as err:  # try the next one
                     logger.warning("/v1/models on %s failed: %s", inst.url, err)
         return error_response(503, "no healthy instance", "no_healthy_instance",
                               "service_unavailable")
@@ -142,6 +131,39 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FastAPI
     return app
 
 
+class Guard:
+    """The API key and the body-size limit, checked before routing (plain ASGI: Starlette's
+    `BaseHTTPMiddleware` would wrap every answer in a stream and a task group)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.authorization = f"Bearer {api_key}" if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.refuse(scope)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refuse(self, scope: Scope) -> Response | None:
+        authorization = length = None  # the first of each, as Starlette's Headers.get
+        for name, value in scope["headers"]:
+            if name == b"authorization" and authorization is None:
+                authorization = value.decode("latin-1")
+            elif name == b"content-length" and length is None:
+                length = value
+        if self.authorization is not None and scope["path"].startswith(("/v1/", "/register")):
+            if authorization != self.authorization:
+                return error_response(401, "invalid or missing API key (send "
+                                      "'Authorization: Bearer <key>')", "invalid_api_key")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return error_response(413, f"request body larger than {self.max_body_bytes} "
+                                  "bytes (router.max_body_bytes)", "request_too_large")
+        return None
+
+
 def build_fleet_app(fleet: FleetConfig) -> FastAPI:
     return build_app(fleet.router, [(url, role) for role, _, url in fleet.instances()])
 
@@ -175,25 +197,24 @@ async def _url_role(request: Request, need_role: bool = True
     return url, role, None
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response | None:
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, Response]
+                            ) -> Response | None:
     """Run `work`; if the client leaves first, cancel it (closing the instance connections,
     which makes the instances abort the request and free its blocks)."""
-    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(work)
 
     async def wait_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        task.cancel()
 
-    listener = asyncio.ensure_future(wait_disconnect())
+    listener = loop.create_task(wait_disconnect())
     try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        return await task
+    except (asyncio.CancelledError, Exception):
+        if listener.done() and not listener.cancelled() and listener.exception() is None:
+            return None  # the client left first: nobody reads this answer
+        raise
     finally:
         listener.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, NoInstance, Exception):
-        pass
-    return None

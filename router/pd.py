@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
@@ -35,12 +34,15 @@ from splitserve.router.upstream import (
     DONE,
     InstanceError,
     InstanceUnavailable,
+    UpstreamClient,
+    answer,
     error_response,
-    open_stream,
-    post_json,
+    is_event_stream,
+    read_body,
     relay,
     sse,
     sse_error,
+    sse_events,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class NoInstance(Exception):
 
 
 class FleetProxy:
-    def __init__(self, client: httpx.AsyncClient, registry: InstanceRegistry,
+    def __init__(self, client: UpstreamClient, registry: InstanceRegistry,
                  policies: dict[str, RoutingPolicy], metrics: RouterMetrics,
                  prefill_retries: int = 1) -> None:
         self.client, self.registry, self.policies = client, registry, policies
@@ -95,14 +97,20 @@ class FleetProxy:
 
     async def forward(self, role: str, path: str, raw: bytes, request_id: str, prompt: Any,
                       started: float) -> Response:
-        """Send the body unchanged to an instance of `role` (another one if it is down)."""
+        """Send the body unchanged to an instance of `role` (another one if it is down).
+
+        A stream is relayed chunk by chunk; any other answer is read whole first and goes back
+        as one plain response (no streaming machinery for the common non-streamed request)."""
         tried: set[str] = set()
         while True:
             inst = self.pick(role, prompt, tried)
             tried.add(inst.url)
             inst.in_flight += 1
             try:
-                upstream = await open_stream(self.client, inst, path, raw, request_id)
+                upstream = await self.client.open_stream(inst, path, raw, request_id)
+                if is_event_stream(upstream):
+                    return relay(upstream, request_id, self._closer(inst, started))
+                body = await read_body(upstream)
             except InstanceUnavailable as err:
                 inst.in_flight -= 1
                 self.registry.mark_down(inst, str(err))
@@ -111,7 +119,9 @@ class FleetProxy:
             except BaseException:
                 inst.in_flight -= 1
                 raise
-            return relay(upstream, request_id, self._closer(inst, started))
+            inst.in_flight -= 1
+            self.metrics.latency.observe(time.perf_counter() - started)
+            return answer(upstream, body, request_id)
 
     def _closer(self, inst: Instance, started: float) -> Any:
         def on_close(failure: Exception | None) -> None:
@@ -137,8 +147,8 @@ class FleetProxy:
                 self.metrics.retries.inc()
             inst.in_flight += 1
             try:
-                answer = await post_json(self.client, inst, path, p_body, request_id)
-                return {**convert.prefill_result(answer, chat), "prefill_url": inst.url}
+                result = await self.client.post_json(inst, path, p_body, request_id)
+                return {**convert.prefill_result(result, chat), "prefill_url": inst.url}
             except InstanceUnavailable as err:
                 logger.warning("%s: prefill on %s failed: %s", request_id, inst.url, err)
                 self.registry.mark_down(inst, str(err))
@@ -168,8 +178,8 @@ class FleetProxy:
             d_inst = self.pick("decode", t0["prompt_token_ids"])
             d_inst.in_flight += 1
             try:
-                rest = await post_json(self.client, d_inst, "/v1/completions", d_body,
-                                       request_id)
+                rest = await self.client.post_json(d_inst, "/v1/completions", d_body,
+                                                   request_id)
             except InstanceUnavailable as err:
                 self.registry.mark_down(d_inst, str(err))
                 self.metrics.errors.labels("decode_failed").inc()
@@ -191,9 +201,10 @@ class FleetProxy:
 
         async def release() -> None:
             try:
-                await self.client.post(f"{t0['prefill_url']}/v1/kv/release",
-                                       json={"kv_transfer_params": params}, timeout=5.0)
-            except httpx.HTTPError as err:  # the lease frees the blocks anyway
+                await self.client.request("POST", f"{t0['prefill_url']}/v1/kv/release",
+                                          msgspec.json.encode({"kv_transfer_params": params}),
+                                          timeout_s=5.0)
+            except InstanceUnavailable as err:  # the lease frees the blocks anyway
                 logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
 
         task = asyncio.get_running_loop().create_task(release())
@@ -231,9 +242,9 @@ class FleetProxy:
         try:
             d_inst = self.pick("decode", t0["prompt_token_ids"])
             d_inst.in_flight += 1
-            response = await open_stream(self.client, d_inst, "/v1/completions",
-                                         msgspec.json.encode(d_body), request_id)
-            async for event in _events(response):
+            response = await self.client.open_stream(d_inst, "/v1/completions",
+                                                     msgspec.json.encode(d_body), request_id)
+            async for event in sse_events(response):
                 if "error" in event:
                     yield sse(event)
                     break
@@ -252,7 +263,7 @@ class FleetProxy:
         except InstanceError as err:
             self.metrics.errors.labels("decode_4xx").inc()
             yield sse(msgspec.json.decode(err.body) if err.body else {"error": {}})
-        except (InstanceUnavailable, httpx.HTTPError) as err:
+        except InstanceUnavailable as err:
             self.metrics.errors.labels("decode_failed").inc()
             if d_inst is not None:
                 self.registry.mark_down(d_inst, str(err))
@@ -260,7 +271,7 @@ class FleetProxy:
                             "decode_failed")
         finally:
             if response is not None:
-                await response.aclose()
+                response.release()  # closes the connection instead if cut short
             if d_inst is not None:
                 d_inst.in_flight -= 1
             self.metrics.latency.observe(time.perf_counter() - started)
@@ -271,14 +282,6 @@ class FleetProxy:
             if inst.model:
                 return inst.model
         return "unknown"
-
-
-async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            if line == "data: [DONE]":
-                return
-            yield msgspec.json.decode(line[6:])
 
 
 def _json(payload: dict[str, Any], request_id: str) -> Response:

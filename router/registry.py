@@ -14,7 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import msgspec
+
+from splitserve.router.upstream import InstanceUnavailable, UpstreamClient
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class Instance:
 
 
 class InstanceRegistry:
-    def __init__(self, client: httpx.AsyncClient, health_interval_s: float = 1.0) -> None:
+    def __init__(self, client: UpstreamClient, health_interval_s: float = 1.0) -> None:
         self.client = client
         self.health_interval_s = health_interval_s
         self._instances: dict[str, Instance] = {}
@@ -89,11 +91,13 @@ class InstanceRegistry:
     # ------------------------------------------------------------------ health checks
     async def check(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(f"{inst.url}/health",
-                                      timeout=max(1.0, self.health_interval_s))
-            body = r.json()
-            ok = r.status_code == 200 and body.get("status") == "ok"
-        except (httpx.HTTPError, ValueError) as err:
+            status, content, _ = await self.client.request(
+                "GET", f"{inst.url}/health", timeout_s=max(1.0, self.health_interval_s))
+            body = msgspec.json.decode(content)
+            ok = status == 200 and body.get("status") == "ok"
+        except InstanceUnavailable as err:
+            ok, body = False, {"error": str(err)}
+        except (ValueError, AttributeError) as err:  # not a JSON object
             ok, body = False, {"error": f"{type(err).__name__}: {err}"}
         if not ok:
             self.mark_down(inst, str(body.get("error", "health check failed")))

@@ -1,0 +1,165 @@
+"""Real engines (`LLM`) in spawned processes, driven over a pipe, for engine-level KV transfer
+tests (a uniquely named module: tests/ has no packages).
+
+One process may host several engines (each its own `LLM`: model, KV cache, both connector
+halves), named by the caller; engines are cheap once torch is imported. A command runs on one
+engine and answers when it is done. `send` + `recv` let the test start a command in one process
+(a producer's `wait_for_transfers`, which steps it so it serves pulls and frees blocks) and run
+another meanwhile (the consumer's `generate`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+ENGINE_ARGS: dict[str, Any] = {"num_threads": 1, "kv_cache_memory": "16MiB", "max_model_len": 512}
+
+
+def _output(out: Any) -> dict[str, Any]:
+    c = out.outputs[0]
+    return {
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason,
+        "error": out.error,
+        "num_cached_tokens": out.num_cached_tokens,
+        "kv_transfer_params": out.kv_transfer_params,
+    }
+
+
+class _Host:
+    """The child side: engines by name, and the commands the parent sends."""
+
+    def __init__(self, model: str, engines: dict[str, dict[str, Any]]) -> None:
+        from splitserve.engine.llm import LLM
+
+        self.llms = {
+            name: LLM(model, kv_transfer=kv, **ENGINE_ARGS) for name, kv in engines.items()
+        }
+
+    def generate(
+        self,
+        name: str,
+        prompts: list[list[int]],
+        sampling: dict[str, Any],
+        kv_transfer_params: list[dict[str, Any] | None] | None,
+    ) -> list[dict[str, Any]]:
+        from splitserve.engine.request import SamplingParams
+
+        outs = self.llms[name].generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(**sampling),
+            use_tqdm=False,
+            kv_transfer_params=kv_transfer_params,
+        )
+        return [_output(o) for o in outs]
+
+    def wait_for_transfers(self, name: str, timeout_s: float) -> dict[str, Any]:
+        started = time.monotonic()
+        ok = self.llms[name].wait_for_transfers(timeout_s)
+        return {"ok": ok, "seconds": time.monotonic() - started}
+
+    def step(self, name: str) -> None:
+        self.llms[name].engine.step()
+
+    def corrupt(self, name: str, block_ids: list[int]) -> None:
+        """Change the KV bytes of held blocks under their lease (after the checksums)."""
+        kv = self.llms[name].engine.model_runner.kv_cache
+        for b in block_ids:
+            kv[b].add_(1.0)
+
+    def stats(self, name: str) -> dict[str, Any]:
+        llm = self.llms[name]
+        return {**llm.stats(), "connector": llm.engine.connector_worker.stats.as_dict()}
+
+    def all_stats(self) -> dict[str, dict[str, Any]]:
+        return {name: self.stats(name) for name in self.llms}
+
+    def shutdown(self) -> None:
+        for llm in self.llms.values():
+            llm.shutdown()
+
+
+def _serve(conn: Any, model: str, engines: dict[str, dict[str, Any]]) -> None:
+    try:
+        host = _Host(model, engines)
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "exit":
+            host.shutdown()
+            conn.send(("ok", None))
+            break
+        try:
+            conn.send(("ok", getattr(host, method)(*args)))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class EngineProcess:
+    """Engines in their own (spawned) process. Start several, then `ready()` each."""
+
+    def __init__(self, label: str, model: str, engines: dict[str, dict[str, Any]]) -> None:
+        self.label = label
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, model, engines), daemon=True)
+        self.process.start()
+        child.close()
+        self._in_flight: str | None = None
+
+    def ready(self, timeout: float = 180) -> EngineProcess:
+        self._in_flight = "startup"
+        self.recv(timeout)
+        return self
+
+    def send(self, method: str, *args: Any) -> None:
+        assert self._in_flight is None, f"{self.label}: {self._in_flight} still running"
+        self._in_flight = method
+        self.conn.send((method, args))
+
+    def recv(self, timeout: float = 60) -> Any:
+        what, self._in_flight = self._in_flight, None
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.label} (pid {self.process.pid}): {what} hung > {timeout}s")
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"{self.label} (pid {self.process.pid}) died during {what}, "
+                f"exit code {self.process.exitcode}"
+            ) from None
+        if kind == "error":
+            raise RuntimeError(f"{self.label}: {what}: {value}")
+        return value
+
+    def call(self, method: str, *args: Any, timeout: float = 60) -> Any:
+        self.send(method, *args)
+        return self.recv(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no goodbye to peers."""
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                if self._in_flight is not None:
+                    self.recv(30)
+                self.call("exit", timeout=30)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
