@@ -63,12 +63,12 @@ def test_penalties_and_min_tokens_mask():
     sampler = Sampler(vocab_size=6)
     logits = torch.tensor([[1.0, 5.0, 4.9, -1.0, 0.0, 0.0]])
     rep = _req(SamplingParams(temperature=0, repetition_penalty=2.0), output=[1])
-    assert sampler(logits, [rep])[0] == [2]  # 5.0/2 < 4.9
+    assert sampler(logits.clone(), [rep])[0] == [2]  # 5.0/2 < 4.9
     freq = _req(SamplingParams(temperature=0, frequency_penalty=0.2), output=[1])
-    assert sampler(logits, [freq])[0] == [2]
+    assert sampler(logits.clone(), [freq])[0] == [2]
     min_tok = _req(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2]), output=[])
     min_tok.eos_token_ids = frozenset({1})
-    assert sampler(logits, [min_tok])[0] == [0]  # eos (1) and stop token (2) are banned
+    assert sampler(logits.clone(), [min_tok])[0] == [0]  # eos (1) and stop token (2) are banned
 
 
 def test_logprobs_are_raw_and_sorted(llm):
