@@ -160,6 +160,9 @@ class Request:
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0
         self.num_external_tokens = 0  # KV tokens a connector loads for this request
+        # Who sets this: the scheduler, when a load failed under `recompute`. From then on the
+        # request never asks the connector again (the same bad block would fail forever).
+        self.external_kv_failed = False
         self.block_hashes: list[bytes] = []  # chained hash of each full block (KVCacheManager)
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -132,8 +132,9 @@ class Scheduler:
             hits, num_external, load_async = [], 0, False
             if request.num_computed_tokens == 0:
                 hits, num_local = self.kv.get_computed_blocks(request)
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_local)
+                if not request.external_kv_failed:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_local)
                 request.num_computed_tokens = num_local
             if load_async and num_external > 0:
                 if not self._start_remote_load(request, hits, num_external):
@@ -270,7 +271,8 @@ class Scheduler:
         logger.warning("%s: KV load failed (%s); policy %s", request.request_id, reason, policy)
         if policy == "recompute":
             request.num_computed_tokens = 0
-            request.kv_transfer_params = None  # prefill locally, never ask the connector again
+            request.kv_transfer_params = None
+            request.external_kv_failed = True  # prefill locally, never ask the connector again
             request.status = RequestStatus.WAITING
             self.waiting.prepend(request)
             return None

@@ -45,15 +45,39 @@ class _Host:
         prompts: list[list[int]],
         sampling: dict[str, Any],
         kv_transfer_params: list[dict[str, Any] | None] | None,
+        timeout_s: float = 40.0,
     ) -> list[dict[str, Any]]:
+        """`LLM.generate`, bounded: past `timeout_s` it raises TimeoutError between two engine
+        steps (LLM.generate then aborts its requests) and steps until the aborted requests'
+        transfers are over, so a hang fails the test without wedging this process."""
         from splitserve.engine.request import SamplingParams
 
-        outs = self.llms[name].generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(**sampling),
-            use_tqdm=False,
-            kv_transfer_params=kv_transfer_params,
-        )
+        llm = self.llms[name]
+        engine, step = llm.engine, llm.engine.step
+        deadline = time.monotonic() + timeout_s
+
+        def bounded_step() -> list:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generate on {name} did not finish in {timeout_s}s")
+            return step()
+
+        engine.step = bounded_step
+        try:
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(**sampling),
+                use_tqdm=False,
+                kv_transfer_params=kv_transfer_params,
+            )
+        except TimeoutError:
+            del engine.step
+            drain = time.monotonic() + 30
+            while engine.has_work() and time.monotonic() < drain:
+                engine.step()
+                time.sleep(0.001)
+            raise
+        finally:
+            engine.__dict__.pop("step", None)
         return [_output(o) for o in outs]
 
     def wait_for_transfers(self, name: str, timeout_s: float) -> dict[str, Any]:

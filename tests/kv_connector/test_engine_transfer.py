@@ -89,8 +89,9 @@ class Fleet:
         """Colocated greedy tokens (one batch, as the producer runs them)."""
         todo = [p for p in prompts if tuple(p) not in self._reference]
         if todo:
-            for p, out in zip(todo, self.d.call("generate", "colocated", todo, COLOCATED, None),
-                              strict=True):
+            for p, out in zip(
+                todo, self.d.call("generate", "colocated", todo, COLOCATED, None), strict=True
+            ):
                 assert len(out["token_ids"]) == N, out
                 self._reference[tuple(p)] = out["token_ids"]
         return [self._reference[tuple(p)] for p in prompts]
@@ -123,8 +124,9 @@ def _prompt(n: int, prefix: list[int] | None = None) -> list[int]:
     return head + [rng.randrange(1, 8192) for _ in range(n - len(head))]
 
 
-def _prefill(p: EngineProcess, engine: str, prompts: list[list[int]],
-             lease_s: float | None = None) -> list[dict]:
+def _prefill(
+    p: EngineProcess, engine: str, prompts: list[list[int]], lease_s: float | None = None
+) -> list[dict]:
     """The router's call to the producer: t0 and kv_transfer_params for each prompt."""
     ask: dict[str, Any] = {"do_remote_decode": True}
     if lease_s is not None:
@@ -137,13 +139,16 @@ def _prefill(p: EngineProcess, engine: str, prompts: list[list[int]],
     return outs
 
 
-def _decode(d: EngineProcess, engine: str, prompts: list[list[int]],
-            firsts: list[dict]) -> list[dict]:
+def _decode(
+    d: EngineProcess, engine: str, prompts: list[list[int]], firsts: list[dict]
+) -> list[dict]:
     """The router's call to the consumer: prompt + [t0] with the producer's params."""
     return d.call(
-        "generate", engine,
+        "generate",
+        engine,
         [p + f["token_ids"] for p, f in zip(prompts, firsts, strict=True)],
-        REST, [f["kv_transfer_params"] for f in firsts],
+        REST,
+        [f["kv_transfer_params"] for f in firsts],
     )
 
 
@@ -247,27 +252,36 @@ def test_consumer_prefix_hit_loads_only_the_rest(fleet: Fleet, connector: str) -
 
 
 # ---------------------------------------------------------------------------------- faults
-def _run_both_policies(fleet: Fleet, name: str, prompts: list[list[int]], firsts: list[dict],
-                       *needles: str) -> list[dict]:
-    """Consumer loads under each policy (prompt 0: recompute, prompt 1: fail) that must fail."""
-    d = fleet.d
-    want = fleet.reference(prompts[:1])[0]
-    before = {pol: d.call("stats", f"{name}-{pol}")["connector"] for pol in POLICIES}
+def _check_fault(
+    fleet: Fleet, name: str, policy: str, prompt: list[int], first: dict, *needles: str
+) -> dict:
+    """A consumer load that must fail: recompute gives the colocated tokens, fail an error."""
+    d, consumer = fleet.d, f"{name}-{policy}"
+    want = fleet.reference([prompt])[0]
+    before = d.call("stats", consumer)["connector"]
     started = time.monotonic()
-    [good] = _decode(d, f"{name}-recompute", prompts[:1], firsts[:1])
-    [bad] = _decode(d, f"{name}-fail", prompts[1:2], firsts[1:2])
+    [out] = _decode(d, consumer, [prompt], [first])
     elapsed = time.monotonic() - started
-    assert good["finish_reason"] == "length" and good["error"] is None, good
-    assert firsts[0]["token_ids"] + good["token_ids"] == want, (good, want)
-    assert good["num_cached_tokens"] == 0, good  # recomputed, nothing loaded
-    _assert_error(bad, *needles)
-    assert elapsed < 2 * (3 * TIMEOUT_S + 2), f"faults took {elapsed:.1f}s to surface"
-    for pol in POLICIES:
-        after = d.call("stats", f"{name}-{pol}")["connector"]
-        assert after["num_failed_transfers"] == before[pol]["num_failed_transfers"] + 1, after
-        assert after["blocks_loaded"] == before[pol]["blocks_loaded"], after
-    _all_blocks_free(d, f"{name}-recompute", f"{name}-fail")
-    return [good, bad]
+    if policy == "recompute":
+        assert out["finish_reason"] == "length" and out["error"] is None, out
+        assert first["token_ids"] + out["token_ids"] == want, (out, want)
+        assert out["num_cached_tokens"] == 0, out  # recomputed, nothing loaded
+    else:
+        _assert_error(out, *needles)
+    assert elapsed < 3 * TIMEOUT_S + 2, f"the fault took {elapsed:.1f}s to surface"
+    after = d.call("stats", consumer)["connector"]
+    assert after["num_failed_transfers"] == before["num_failed_transfers"] + 1, after
+    assert after["blocks_loaded"] == before["blocks_loaded"], after
+    _all_blocks_free(d, consumer)
+    return out
+
+
+def _run_both_policies(
+    fleet: Fleet, name: str, prompts: list[list[int]], firsts: list[dict], *needles: str
+) -> None:
+    """Prompt 0 goes to the `recompute` consumer, prompt 1 to the `fail` one."""
+    for policy, prompt, first in zip(POLICIES, prompts, firsts, strict=True):
+        _check_fault(fleet, name, policy, prompt, first, *needles)
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -299,6 +313,16 @@ def test_late_consumer_after_lease(fleet: Fleet, connector: str) -> None:
     _run_both_policies(fleet, connector, prompts, firsts, *needles)
 
 
+def _corrupt_stored_block(fleet: Fleet, first: dict, index: int) -> None:
+    """Flip bytes inside a stored block's value (its header and checksum stay)."""
+    client = fleet.redis.client()
+    [key] = client.keys(f"*:{first['kv_transfer_params']['block_hashes'][index]}")
+    value = bytearray(client.get(key))
+    value[1000:1004] = bytes(b ^ 0xFF for b in value[1000:1004])
+    client.set(key, bytes(value))
+    client.close()
+
+
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_corrupted_block_fails_verify(fleet: Fleet, connector: str) -> None:
     _available(connector)
@@ -309,25 +333,45 @@ def test_corrupted_block_fails_verify(fleet: Fleet, connector: str) -> None:
         # The hold (and its checksums, verify: true) begins at the producer's next step; then
         # its memory changes under the lease.
         p.call("step", connector)
-        p.call("corrupt", connector, [f["kv_transfer_params"]["remote_block_ids"][1]
-                                      for f in firsts])
+        p.call(
+            "corrupt", connector, [f["kv_transfer_params"]["remote_block_ids"][1] for f in firsts]
+        )
         p.send("wait_for_transfers", connector, WAIT_S)
-        needles = ("checksum mismatch in block 1",)
-    else:  # stored (with checksums); now flip bytes inside block 1's stored value
-        assert p.call("wait_for_transfers", connector, WAIT_S)["ok"]
-        client = fleet.redis.client()
-        for f in firsts:
-            [key] = client.keys(f"*:{f['kv_transfer_params']['block_hashes'][1]}")
-            value = bytearray(client.get(key))
-            value[1000:1004] = bytes(b ^ 0xFF for b in value[1000:1004])
-            client.set(key, bytes(value))
-        client.close()
-        needles = ("checksum mismatch",)
-    _run_both_policies(fleet, connector, prompts, firsts, *needles)
-    if connector in P2P:
+        _run_both_policies(fleet, connector, prompts, firsts, "checksum mismatch in block 1")
         waited = p.recv(WAIT_S + 30)
         assert waited["ok"] is True, waited
+    else:  # stored (with checksums); now flip bytes inside block 1's stored value
+        assert p.call("wait_for_transfers", connector, WAIT_S)["ok"]
+        _corrupt_stored_block(fleet, firsts[1], 1)
+        # `recompute` after a corrupted store block: test_recompute_after_bad_store_block.
+        _check_fault(fleet, connector, "fail", prompts[1], firsts[1], "checksum mismatch")
     _all_blocks_free(p, connector)
+
+
+def test_recompute_after_bad_store_block(fleet: Fleet) -> None:
+    """A stored block that fails verification: `recompute` must prefill locally once, not keep
+    loading the same bad block (the same happens for any bad stored value, e.g. a consumer with
+    verify on and a producer without)."""
+    p, d = fleet.p, fleet.d
+    prompt = [_prompt(48)]
+    first = _prefill(p, "redis", prompt)
+    assert p.call("wait_for_transfers", "redis", WAIT_S)["ok"]
+    _corrupt_stored_block(fleet, first[0], 1)
+    before = d.call("stats", "redis-recompute")["connector"]
+    try:
+        [out] = d.call(
+            "generate",
+            "redis-recompute",
+            [prompt[0] + first[0]["token_ids"]],
+            REST,
+            [first[0]["kv_transfer_params"]],
+            3.0,
+        )
+    finally:
+        after = d.call("stats", "redis-recompute")
+        assert after["kv_blocks_free"] == after["kv_blocks_total"], after
+    assert first[0]["token_ids"] + out["token_ids"] == fleet.reference(prompt)[0]
+    assert after["connector"]["num_failed_transfers"] == before["num_failed_transfers"] + 1
 
 
 @pytest.mark.parametrize("connector", P2P)
