@@ -28,10 +28,21 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    decode_groups: list[DecodeGroup] | None = None  # CPU backend's cache, built at layer 0
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences attended together on CPU, padded to the longest (`max_len`)."""
+
+    rows: torch.Tensor | None  # their indices in the batch; None: all, in order
+    table: torch.Tensor  # [n, blocks covering max_len]
+    invalid: torch.Tensor  # [n, 1, 1, max_len] bool: padding past each sequence's length
+    max_len: int
 
 
 class AttentionBackend:
@@ -85,43 +96,52 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q, kv_cache, layer, meta):
-        """Single-token queries, batched in groups of similar context length.
+        """Single-token queries, batched in groups of similar context length (see _groups)."""
+        groups = meta.decode_groups
+        if groups is None:
+            groups = meta.decode_groups = self._groups(meta)
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._decode_group(q, kv_cache, layer, groups[0])
+        out = torch.empty_like(q)
+        for g in groups:
+            out[g.rows] = self._decode_group(q[g.rows], kv_cache, layer, g)
+        return out
 
-        Each group is padded to its longest context; sorting by length and cutting a group when
-        the length grows by half bounds the padding, which matters when short and long requests
-        decode together (the gather and the matmuls are memory-bound).
-        """
+    def _groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
+        """Each group is padded to its longest context; sorting by length and cutting a group
+        when the length grows by half bounds the padding, which matters when short and long
+        requests decode together (the gather and the matmuls are memory-bound). Built once per
+        step, shared by every layer."""
         nd = meta.num_decodes
         lens = meta.seq_lens_cpu[:nd]
         order = sorted(range(nd), key=lens.__getitem__)
-        out = torch.empty_like(q)
-        start = 0
+        groups, start = [], 0
         while start < nd:
             end = start + 1
             while end < nd and (lens[order[end]] <= 1.5 * lens[order[start]] or end - start < 8):
                 end += 1
-            idx = order[start:end]
-            if end - start == nd:  # one group, in batch order: no gather of q / scatter of out
-                return self._decode_group(q, kv_cache, layer, meta.block_tables[:nd],
-                                          meta.seq_lens[:nd], max(lens))
-            rows = torch.tensor(idx)
-            out[rows] = self._decode_group(q[rows], kv_cache, layer, meta.block_tables[rows],
-                                           meta.seq_lens[rows], lens[order[end - 1]])
+            whole = end - start == nd  # one group in batch order: no gather of q / scatter
+            rows = None if whole else torch.tensor(order[start:end])
+            max_len = lens[order[end - 1]]
+            table = meta.block_tables[:nd] if whole else meta.block_tables[rows]
+            seq_lens = meta.seq_lens[:nd] if whole else meta.seq_lens[rows]
+            invalid = torch.arange(max_len)[None, :] >= seq_lens[:, None]  # [S, T]
+            groups.append(DecodeGroup(rows, table[:, : -(-max_len // self.block_size)],
+                                      invalid[:, None, None, :], max_len))
             start = end
-        return out
+        return groups
 
-    def _decode_group(self, q, kv_cache, layer, block_tables, seq_lens, max_len):
+    def _decode_group(self, q, kv_cache, layer, g: DecodeGroup):
         n = q.shape[0]
-        table = block_tables[:, : -(-max_len // self.block_size)]
         # [S, T, Hkv, D] → [S, Hkv, T, D]: the batched matmuls below want contiguous heads.
-        keys = self._gather(kv_cache, layer, table, 0)[:, :max_len].transpose(1, 2).contiguous()
-        values = self._gather(kv_cache, layer, table, 1)[:, :max_len].transpose(1, 2).contiguous()
+        keys = self._gather(kv_cache, layer, g.table, 0)[:, : g.max_len].transpose(1, 2)
+        values = self._gather(kv_cache, layer, g.table, 1)[:, : g.max_len].transpose(1, 2)
+        keys, values = keys.contiguous(), values.contiguous()
         group = self.num_heads // self.num_kv_heads
         # The query heads of one KV head act as that head's "query length": [S, Hkv, G, D].
         qg = q.view(n, self.num_kv_heads, group, self.head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [S, Hkv, G, T]
-        invalid = torch.arange(max_len)[None, :] >= seq_lens[:, None]  # [S, T]
-        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        scores.masked_fill_(g.invalid, float("-inf"))
         probs = torch.softmax(scores.mul_(self.scale), dim=-1).to(q.dtype)
         o = torch.matmul(probs, values)  # [S, Hkv, G, D]
         return o.reshape(n, self.num_heads, self.head_dim)
