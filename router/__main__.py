@@ -29,11 +29,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve router: error: {err}", file=sys.stderr)
         return 2
     app = build_fleet_app(fleet)
-    # uvloop and httptools explicitly: "auto" falls back to asyncio/h11 silently.
+    # uvloop and httptools explicitly: "auto" falls back to asyncio/h11 silently. No proxy-headers
+    # middleware: nothing here reads the client address, and it would wrap every request.
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     uvicorn.run(app, host=fleet.router.host, port=fleet.router.port, loop=loop,
-                http="httptools", log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=2)
+                http="httptools", proxy_headers=False, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=2)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Message shaping for the P/D flow: the prefill body, the decode body, and the client's answer.
 
 The prefill instance gets the client's body as is (same tokenization, same chat template) with
-`max_tokens: 1`, no streaming, `return_token_ids` and `kv_transfer_params: {do_remote_decode}`.
+`max_tokens: 1`, no streaming, `return_token_ids` and `kv_transfer_params: {do_remote_decode}`
+(not when the client asked for one token: then t0 is the whole answer).
 The decode instance always gets a *completion* with a token-id prompt, `prompt_token_ids + [t0]`,
 so it never re-tokenizes and its positions match a colocated run; its completion chunks are then
 rewritten in the client's format (completion or chat) with usage counting the real prompt and
@@ -27,9 +28,13 @@ def max_output_tokens(body: dict[str, Any], chat: bool) -> int | None:
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     p = {k: v for k, v in body.items() if k not in ("stream", "stream_options",
-                                                    "max_completion_tokens")}
-    p.update(max_tokens=1, stream=False, return_token_ids=True,
-             kv_transfer_params={"do_remote_decode": True})
+                                                    "max_completion_tokens",
+                                                    "kv_transfer_params")}
+    p.update(max_tokens=1, stream=False, return_token_ids=True)
+    if max_output_tokens(body, chat) != 1:
+        # A one-token request ends at t0: no decode instance follows, so P need not hold (or
+        # send, or save) its KV, and the router need not release it afterwards.
+        p["kv_transfer_params"] = {"do_remote_decode": True}
     if p.get("min_tokens"):
         p["min_tokens"] = min(int(p["min_tokens"]), 1)
     return p

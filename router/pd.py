@@ -10,14 +10,13 @@ client ◀── t1, t2, … (rewritten in the client's format)
 
 No prefill instance answers → decode-only: the client's original body goes to D, which
 prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer comes from P alone
-and the router tells P to free its held blocks (`POST /v1/kv/release`); were that call lost,
-the lease frees them.
+and, once it is sent, the router tells P to free its held blocks (`POST /v1/kv/release`); were
+that call lost, the lease frees them. (With max_tokens 1 P holds none: it is not asked to.)
 Colocated fleets skip all of this: the body goes to one instance and its answer comes back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +24,7 @@ from typing import Any
 
 import msgspec
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from splitserve.router import convert
 from splitserve.router.metrics import RouterMetrics
@@ -58,7 +58,6 @@ class FleetProxy:
                  prefill_retries: int = 1) -> None:
         self.client, self.registry, self.policies = client, registry, policies
         self.metrics, self.prefill_retries = metrics, prefill_retries
-        self._background: set[asyncio.Task] = set()  # fire-and-forget releases
 
     # ------------------------------------------------------------------ picking
     def pick(self, role: str, prompt: Any = None, exclude: set[str] | None = None) -> Instance:
@@ -76,14 +75,17 @@ class FleetProxy:
 
     # ------------------------------------------------------------------ entry
     async def handle(self, path: str, raw: bytes, body: dict[str, Any] | None, chat: bool,
-                     request_id: str, started: float) -> Response:
-        """`body` is the parsed, valid request; None (invalid) goes to an instance as is."""
+                     request_id: str, started: float, colocated: bool) -> Response:
+        """`body` is the parsed request: valid, or None (invalid: it goes to an instance as is,
+        for the error). Colocated (`self.colocated` when the request came), it is only parsed,
+        not validated: the instance gets the raw bytes either way."""
         prompt = _prompt_key(body, chat)
-        batch = body is not None and not chat and isinstance(body.get("prompt"), list) and (
-            body["prompt"] and not isinstance(body["prompt"][0], int) and len(body["prompt"]) > 1)
         try:
-            if self.colocated:
+            if colocated:
                 return await self.forward("colocated", path, raw, request_id, prompt, started)
+            batch = body is not None and not chat and isinstance(body.get("prompt"), list) and (
+                body["prompt"] and not isinstance(body["prompt"][0], int)
+                and len(body["prompt"]) > 1)
             if body is None or batch:  # errors, or batches: let one instance do it all
                 return await self.forward("decode", path, raw, request_id, prompt, started)
             return await self.disaggregated(path, raw, body, chat, request_id, prompt, started)
@@ -167,12 +169,13 @@ class FleetProxy:
         stream = bool(body.get("stream"))
         self.metrics.ttft.observe(time.perf_counter() - started)
         if convert.stops_at_t0(body, chat, t0):
-            self._release_prefill_blocks(t0, request_id)
+            release = self._release_prefill_blocks(t0, request_id)
             self.metrics.latency.observe(time.perf_counter() - started)
             if stream:
-                return self._sse(self._t0_only(body, chat, request_id, model, t0), request_id)
+                return self._sse(self._t0_only(body, chat, request_id, model, t0), request_id,
+                                 release)
             out = convert.full_response(body, chat, request_id, model, t0, None)
-            return _json(out, request_id)
+            return _json(out, request_id, release)
         d_body = convert.decode_body(body, chat, t0, stream)
         if not stream:
             d_inst = self.pick("decode", t0["prompt_token_ids"])
@@ -193,11 +196,14 @@ class FleetProxy:
         chunks = self._stream(body, chat, request_id, model, t0, d_body, started)
         return self._sse(chunks, request_id)
 
-    def _release_prefill_blocks(self, t0: dict[str, Any], request_id: str) -> None:
-        """No decode instance will pull this request's KV: let P free it now, not at lease end."""
+    def _release_prefill_blocks(self, t0: dict[str, Any], request_id: str
+                                ) -> BackgroundTask | None:
+        """No decode instance will pull this request's KV: let P free it now, not at lease end.
+
+        Run as the answer's background task, once the answer is sent: off the client's path."""
         params = t0.get("kv_transfer_params")
         if not params:
-            return
+            return None
 
         async def release() -> None:
             try:
@@ -207,14 +213,13 @@ class FleetProxy:
             except InstanceUnavailable as err:  # the lease frees the blocks anyway
                 logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return BackgroundTask(release)
 
-    def _sse(self, chunks: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+    def _sse(self, chunks: AsyncIterator[bytes], request_id: str,
+             background: BackgroundTask | None = None) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",
-                                          "X-Request-Id": request_id})
+                                          "X-Request-Id": request_id}, background=background)
 
     async def _t0_only(self, body: dict[str, Any], chat: bool, request_id: str, model: str,
                        t0: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -284,9 +289,10 @@ class FleetProxy:
         return "unknown"
 
 
-def _json(payload: dict[str, Any], request_id: str) -> Response:
+def _json(payload: dict[str, Any], request_id: str,
+          background: BackgroundTask | None = None) -> Response:
     return Response(msgspec.json.encode(payload), media_type="application/json",
-                    headers={"X-Request-Id": request_id})
+                    headers={"X-Request-Id": request_id}, background=background)
 
 
 def _prompt_key(body: dict[str, Any] | None, chat: bool) -> Any:
@@ -294,7 +300,9 @@ def _prompt_key(body: dict[str, Any] | None, chat: bool) -> Any:
     if body is None:
         return None
     if chat:
-        msgs = body.get("messages") or []
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return None
         return "".join(f"<{m.get('role')}>{m.get('content')}" for m in msgs
                        if isinstance(m, dict))
     return body.get("prompt")

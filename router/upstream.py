@@ -94,7 +94,9 @@ class UpstreamClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0,
                                              keepalive_timeout=_KEEPALIVE_S)
+            # No cookie jar: a proxy must not carry one client's cookies to another's request.
             self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                                  cookie_jar=aiohttp.DummyCookieJar(),
                                                   auto_decompress=False, trust_env=False)
         return self._session
 

@@ -71,11 +71,14 @@ async def overhead(router: str, instance: str, n: int) -> dict:
             return time.perf_counter() - t
         for _ in range(5):
             await lat(router), await lat(instance)
-        via = [await lat(router) for _ in range(n)]
-        direct = [await lat(instance) for _ in range(n)]
+        via, direct = [], []
+        for _ in range(n):  # interleaved: a load spike on a shared machine hits both alike
+            via.append(await lat(router))
+            direct.append(await lat(instance))
     return {"router_p50_ms": statistics.median(via) * 1e3,
             "direct_p50_ms": statistics.median(direct) * 1e3,
-            "overhead_p50_ms": (statistics.median(via) - statistics.median(direct)) * 1e3}
+            "overhead_p50_ms": (statistics.median(via) - statistics.median(direct)) * 1e3,
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
 
 
 def pin(fleet: Fleet, name: str, cpus: set[int]) -> None:
