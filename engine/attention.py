@@ -70,8 +70,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, layer, meta):
         self._write_cache(k, v, kv_cache, layer, meta)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:  # a pure decode step: no output buffer to copy into
+            return self._decode(q, kv_cache, layer, meta)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, layer, meta)
         for s in range(nd, meta.num_seqs):
