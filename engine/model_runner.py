@@ -87,9 +87,11 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(max_model_len)
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block holds every
         # layer's K and V contiguously, so a transfer moves one region per block.
-        self.kv_cache = torch.zeros(
+        # Written explicitly (not torch.zeros, which on CPU maps pages lazily): the budget is
+        # committed at start, and the first requests do not pay a page fault per 4 KiB.
+        self.kv_cache = torch.empty(
             (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads,
-             arch.head_dim), dtype=self.dtype, device=self.device)
+             arch.head_dim), dtype=self.dtype, device=self.device).zero_()
         self.sampler = Sampler(arch.vocab_size, config.seed)
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
                     arch.architecture, self.device, self.dtype, self.num_blocks, self.block_size,
