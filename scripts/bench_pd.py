@@ -38,6 +38,8 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:  # a rejected request must not count as a fast one
+            raise RuntimeError(f"request failed ({r.status_code}): {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 now = time.perf_counter()
