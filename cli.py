@@ -11,8 +11,9 @@ server:            # ServerConfig: host, port, max_body_bytes, max_waiting, role
 ```
 
 Flags override the file. A bad config prints one line naming the field and exits with status 2.
-Subcommands: `serve` here, `prefill` and `decode` from their packages (`prefill/role.py`,
-`decode/role.py`: `add_args` and `run`); more can be added to `SUBCOMMANDS`.
+Subcommands: `serve` (one colocated instance), and one per fleet role (`prefill`, `decode`,
+`colocated`: instance `--index N` of a fleet file), and `router`; `python -m
+splitserve.prefill|decode|router` are aliases.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.engine.config import EngineConfig, build_config, load_yaml
+from splitserve.engine.fleet import load_fleet
 from splitserve.engine.server import ServerConfig
 
 logger = logging.getLogger("splitserve")
@@ -168,45 +170,58 @@ def _add_serve(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
 
 
-# name → (help, add arguments, run). The fleet roles live in their packages (imported when the
-# parser is built: they need nothing heavy); `scripts/launch.py` runs
+def add_role_args(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE --index N` (+ `--model`, `--log-level`) of `splitserve prefill|decode`."""
+    parser.add_argument("--config", required=True, help="fleet config YAML")
+    parser.add_argument("--index", type=int, default=0, help="instance index within the role")
+    parser.add_argument("--model", help="override the fleet's model directory")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"])
+
+
+def run_role(role: str, args: argparse.Namespace) -> int:
+    """Build instance `args.index` of `role` from the fleet file and serve it until stopped.
+
+    The roles differ only in data (the fleet gives prefill `kv_role: producer`, decode
+    `consumer`), so one entry point serves them all.
+    """
+    fleet = load_fleet(args.config, {"model": args.model} if args.model else None)
+    data = fleet.instance_data(role, args.index)
+    config = build_config(InstanceConfig, data, f"{args.config} ({role} {args.index})")
+    return run_instance(config, args.log_level)
+
+
+def _add_router(parser: argparse.ArgumentParser) -> None:
+    from splitserve.router.__main__ import add_args
+
+    add_args(parser)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from splitserve.router.__main__ import run
+
+    return run(args)
+
+
+# name → (help, add arguments, run). `scripts/launch.py` runs
 # `python -m splitserve.cli prefill|decode --config FLEET.yaml --index N`.
 Subcommand = tuple[
     str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
 ]
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": ("serve one colocated instance (OpenAI-compatible HTTP)", _add_serve, cmd_serve),
+    **{role: (f"one {role} instance of a fleet (--config FLEET.yaml --index N)", add_role_args,
+              functools.partial(run_role, role))
+       for role in ("prefill", "decode", "colocated")},
+    "router": ("run the router of a fleet (--config FLEET.yaml [--port N])", _add_router,
+               _run_router),
 }
-_FLEET_ROLES = ("prefill", "decode", "colocated")
-
-
-def subcommands() -> dict[str, Subcommand]:
-    """SUBCOMMANDS plus one per fleet role: `splitserve ROLE --config FLEET.yaml --index N`.
-
-    A role's package (`splitserve.prefill.role`, ...) supplies `add_args` and `run` when it
-    exists; otherwise the generic `engine.fleet` entry point serves the role.
-    """
-    import importlib
-
-    from splitserve.engine import fleet
-
-    found = dict(SUBCOMMANDS)
-    for role in _FLEET_ROLES:
-        if role in found:
-            continue
-        help_text = f"one {role} instance of a fleet (--config FLEET.yaml --index N)"
-        try:
-            module = importlib.import_module(f"splitserve.{role}.role")
-            found[role] = (help_text, module.add_args, module.run)
-        except ImportError:
-            found[role] = (help_text, fleet.add_role_args, functools.partial(fleet.run_role, role))
-    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_args, run) in subcommands().items():
+    for name, (help_text, add_args, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
         p.set_defaults(run=run)

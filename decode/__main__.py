@@ -1,7 +1,7 @@
-"""`python -m splitserve.decode --config FLEET.yaml --index N`."""
+"""`python -m splitserve.decode --config FLEET.yaml --index N`: alias of `splitserve decode ...`."""
 
 import sys
 
-from splitserve.decode.role import main
+from splitserve.cli import main
 
-sys.exit(main())
+sys.exit(main(["decode", *sys.argv[1:]]))

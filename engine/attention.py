@@ -9,6 +9,7 @@ below gathers each sequence's blocks and calls `scaled_dot_product_attention`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ class DecodeGroup:
     max_len: int
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """Writes K/V into the cache and computes attention for one layer."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -55,10 +56,10 @@ class AttentionBackend:
         self.block_size = block_size
         self.scale = head_dim**-0.5
 
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 layer: int, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], kv_cache [N, L, 2, B, Hkv, D] → [T, Hq, D]."""
-        raise NotImplementedError
 
 
 class TorchAttentionBackend(AttentionBackend):

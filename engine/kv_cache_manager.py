@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from splitserve.engine.block_pool import BlockPool, KVCacheBlock, hash_request_blocks
 from splitserve.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from splitserve.kv_connector.layout import cdiv
 
 
 class KVCacheManager:

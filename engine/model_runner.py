@@ -24,11 +24,11 @@ from splitserve.engine.attention import (
     make_attention_backend,
 )
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.config import ModelArchConfig
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from splitserve.kv_connector.layout import cdiv
 
 logger = logging.getLogger(__name__)
 

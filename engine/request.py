@@ -166,8 +166,6 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hash of each full block (KVCacheManager)
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        # Who sets this: the scheduler, when the request finishes with a KV transfer pending.
-        self.kv_transfer_result: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

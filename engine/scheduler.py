@@ -130,7 +130,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits, num_external, load_async = [], 0, False
-            if request.num_computed_tokens == 0:
+            fresh = request.num_computed_tokens == 0  # else: its remote KV just landed
+            if fresh:
                 hits, num_local = self.kv.get_computed_blocks(request)
                 if not request.external_kv_failed:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(
@@ -143,11 +144,11 @@ class Scheduler:
                 continue
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
-                request.num_computed_tokens = 0 if hits else request.num_computed_tokens
-                break
+                num_new = 0  # does not fit this step
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
-                request.num_computed_tokens = 0 if hits else request.num_computed_tokens
+            if num_new == 0 or self.kv.allocate_slots(request, num_new, hits) is None:
+                if fresh:  # nothing was taken: look the prefix up again next step
+                    request.num_computed_tokens = 0
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:

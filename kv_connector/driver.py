@@ -14,6 +14,7 @@ import multiprocessing as mp
 import random
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,29 +261,38 @@ class SimEngine:
         self.scheduler.shutdown()
 
 
-def _serve(conn: Any, args: tuple, kwargs: dict, step_interval_s: float) -> None:
+def serve_calls(conn: Any, make: Callable[[], Any], idle: Callable[[Any], None] | None = None,
+                idle_interval_s: float = 0.001) -> None:
+    """Process side of a pipe RPC: build `make()`, then answer `(method, args)` calls with
+    `("ok", result)` or `("error", traceback)` until `("exit", ())`. Between calls `idle(target)`
+    runs every `idle_interval_s` (an engine keeps stepping so its transfers progress)."""
     try:
-        engine = SimEngine(*args, **kwargs)
+        target = make()
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     conn.send(("ok", None))
     while True:
-        engine.step()
-        if not conn.poll(step_interval_s):
-            continue
+        if idle is not None:
+            idle(target)
+            if not conn.poll(idle_interval_s):
+                continue
         try:
             method, margs = conn.recv()
         except EOFError:
             break
         if method == "exit":
-            engine.shutdown()
+            target.shutdown()
             conn.send(("ok", None))
             break
         try:
-            conn.send(("ok", getattr(engine, method)(*margs)))
+            conn.send(("ok", getattr(target, method)(*margs)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _serve(conn: Any, args: tuple, kwargs: dict, step_interval_s: float) -> None:
+    serve_calls(conn, lambda: SimEngine(*args, **kwargs), SimEngine.step, step_interval_s)
 
 
 class RemoteEngine:

@@ -1,7 +1,7 @@
-"""`python -m splitserve.prefill --config FLEET.yaml --index N`."""
+"""`python -m splitserve.prefill --config FLEET.yaml --index N`: alias of `splitserve prefill ...`."""
 
 import sys
 
-from splitserve.prefill.role import main
+from splitserve.cli import main
 
-sys.exit(main())
+sys.exit(main(["prefill", *sys.argv[1:]]))

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from abc import abstractmethod
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -234,9 +235,9 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
         """Consumer: set up the transport to a producer; call `_io_peer_ready` when done."""
         self._io_peer_ready(peer)
 
+    @abstractmethod
     def _io_begin_load(self, load: Load) -> None:
         """Consumer: start moving the load's blocks; end with `_io_confirm`/`_io_land`/`_io_fail`."""
-        raise NotImplementedError
 
     def _io_abort_load(self, load: Load) -> None:
         """Consumer: stop whatever the transport is doing for a failed load."""

@@ -73,17 +73,16 @@ class P2PSchedulerSide:
             return 0, False
         num = min(remote.num_tokens, loadable) - num_computed_tokens
         if num <= 0:  # local prefix cache covers it: only free the producer's blocks
-            self._meta.releases.append(
-                ReleaseSpec(
-                    request_id=rid,
-                    remote_request_id=remote.remote_request_id,
-                    remote_host=remote.remote_host,
-                    remote_port=remote.remote_port,
-                )
-            )
+            self._release(rid, remote)
             return 0, False
         bounded_put(self._pending, rid, _Pending(remote, num_computed_tokens))
         return num, True
+
+    def _release(self, rid: str, remote: RemotePrefill) -> None:
+        """Queue a "done, free your blocks" for the producer without loading anything."""
+        self._meta.releases.append(ReleaseSpec(
+            request_id=rid, remote_request_id=remote.remote_request_id,
+            remote_host=remote.remote_host, remote_port=remote.remote_port))
 
     def _parse_remote(self, params: dict[str, Any]) -> RemotePrefill:
         try:
@@ -112,14 +111,7 @@ class P2PSchedulerSide:
         remote, rid = pending.remote, request.request_id
         if num_external_tokens <= 0:
             if remote is not None:
-                self._meta.releases.append(
-                    ReleaseSpec(
-                        request_id=rid,
-                        remote_request_id=remote.remote_request_id,
-                        remote_host=remote.remote_host,
-                        remote_port=remote.remote_port,
-                    )
-                )
+                self._release(rid, remote)
             return
         rng = block_range(
             pending.num_computed_tokens, num_external_tokens, self.engine_info.block_size
@@ -164,15 +156,7 @@ class P2PSchedulerSide:
         rid = request.request_id
         pending = self._pending.pop(rid, None)
         if pending is not None and pending.remote is not None:
-            r = pending.remote
-            self._meta.releases.append(
-                ReleaseSpec(
-                    request_id=rid,
-                    remote_request_id=r.remote_request_id,
-                    remote_host=r.remote_host,
-                    remote_port=r.remote_port,
-                )
-            )
+            self._release(rid, pending.remote)
         params = request.kv_transfer_params or {}
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None

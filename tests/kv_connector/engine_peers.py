@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-import traceback
 from typing import Any
+
+from splitserve.kv_connector.driver import serve_calls
 
 ENGINE_ARGS: dict[str, Any] = {"num_threads": 1, "kv_cache_memory": "16MiB", "max_model_len": 512}
 
@@ -107,25 +108,7 @@ class _Host:
 
 
 def _serve(conn: Any, model: str, engines: dict[str, dict[str, Any]]) -> None:
-    try:
-        host = _Host(model, engines)
-    except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        return
-    conn.send(("ok", None))
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            break
-        if method == "exit":
-            host.shutdown()
-            conn.send(("ok", None))
-            break
-        try:
-            conn.send(("ok", getattr(host, method)(*args)))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    serve_calls(conn, lambda: _Host(model, engines))
 
 
 class EngineProcess:
