@@ -3,8 +3,10 @@
 The batch is flat and ordered decodes first: `num_decodes` sequences with one query token each,
 then prefill chunks of any length. Per layer, the backend writes the step's new K/V rows into the
 cache by slot (`slot = block_id * block_size + offset`) and attends each query to its sequence's
-cached context. On CUDA the Triton kernels in `splitserve.kernels` do both; on CPU the PyTorch path
-below gathers each sequence's blocks and calls `scaled_dot_product_attention`.
+cached context. On CUDA the Triton kernels in `splitserve.kernels` do both. On CPU, decodes go to
+the C++ kernel of `splitserve.kernels.cpu` (it reads K/V where they lie in the paged cache) and
+prefill chunks to `scaled_dot_product_attention`; the pure-PyTorch backend, which gathers each
+sequence's blocks instead, is the fallback where the C++ kernel cannot be built, and the reference.
 """
 
 from __future__ import annotations
@@ -166,6 +168,21 @@ class TorchAttentionBackend(AttentionBackend):
         return o[0].transpose(0, 1)
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """CPU path with the C++ paged decode kernel; prefill chunks as in the PyTorch backend.
+
+    bf16/fp16 prefill runs SDPA in fp32: on CPUs without native 16-bit matmul (AVX2) that is an
+    order of magnitude faster, and SDPA accumulates in fp32 either way.
+    """
+
+    def _decode(self, q, kv_cache, layer, meta):
+        from splitserve.kernels import cpu
+
+        return cpu.paged_decode_attention(q, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
+                                          meta.block_tables[: q.shape[0]],
+                                          meta.seq_lens[: q.shape[0]], self.scale)
+
+
 class TritonAttentionBackend(AttentionBackend):
     """CUDA path: our Triton kernels (see kernels/)."""
 
@@ -189,9 +206,24 @@ class TritonAttentionBackend(AttentionBackend):
 
 def make_attention_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int,
                            head_dim: int, block_size: int) -> AttentionBackend:
-    """`auto` → Triton on CUDA, PyTorch on CPU; `torch` / `triton` force one."""
+    """`auto` → Triton on CUDA; on CPU the C++ kernel (`cpu`) if it builds, else PyTorch (`torch`)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from splitserve.kernels import cpu
+
+            name = "cpu" if cpu.available() else "torch"
+    if name == "cpu":
+        from splitserve.kernels import cpu
+
+        if device.type != "cpu":
+            raise ValueError("attention_backend 'cpu' runs on the CPU only (device is "
+                             f"{device.type})")
+        if not cpu.available():
+            raise ValueError("attention_backend 'cpu' needs its C++ kernels, which did not build "
+                             "(a C++ compiler and ninja are required); use 'torch'")
+        return CpuAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     if name == "triton":
         from splitserve.kernels import triton_available
 
@@ -201,4 +233,4 @@ def make_attention_backend(name: str, device: torch.device, num_heads: int, num_
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
     if name == "torch":
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size)
-    raise ValueError(f"unknown attention_backend {name!r} (known: auto, torch, triton)")
+    raise ValueError(f"unknown attention_backend {name!r} (known: auto, cpu, torch, triton)")

@@ -99,8 +99,9 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    """`auto`: Triton kernels on CUDA, PyTorch on CPU. `triton` on CPU runs the kernels in the
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    """`auto`: Triton kernels on CUDA; on CPU the C++ decode kernel (`cpu`, built on first use)
+    or, if it cannot be built, plain PyTorch (`torch`). `triton` on CPU runs the kernels in the
     Triton interpreter (set TRITON_INTERPRET=1 before start; for testing only: slow)."""
     num_threads: int | None = Field(default=None, gt=0)
     """torch intra-op threads of the engine core (default: torch's choice)."""

@@ -12,7 +12,6 @@ Only the last token of a sequence whose chunk reaches its end is sampled (`logit
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import numpy as np
@@ -24,6 +23,7 @@ from splitserve.engine.attention import (
     make_attention_backend,
 )
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cpu_memory import empty_on_huge_pages, tune_cpu_allocator
 from splitserve.engine.models.config import ModelArchConfig
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.sampler import Sampler
@@ -40,24 +40,6 @@ def resolve_dtype(requested: str, arch: ModelArchConfig) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[name]
-
-
-def tune_cpu_allocator() -> None:
-    """Keep freed activation buffers in the heap instead of returning them to the kernel.
-
-    Each step allocates the same few-MB tensors (gathered K/V, logits). Above glibc's mmap
-    threshold every such allocation is a fresh mmap whose pages fault in one by one; that
-    doubled the cost of the CPU attention gather. Raising the mmap and trim thresholds lets the
-    allocator reuse the memory. No-op where glibc is absent.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
-    libc.mallopt(m_trim_threshold, 1 << 30)
-    libc.mallopt(m_top_pad, 64 << 20)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -88,10 +70,13 @@ class ModelRunner:
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: one block holds every
         # layer's K and V contiguously, so a transfer moves one region per block.
         # Written explicitly (not torch.zeros, which on CPU maps pages lazily): the budget is
-        # committed at start, and the first requests do not pay a page fault per 4 KiB.
-        self.kv_cache = torch.empty(
-            (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads,
-             arch.head_dim), dtype=self.dtype, device=self.device).zero_()
+        # committed at start, and the first requests do not pay a page fault per page.
+        shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads,
+                 arch.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = empty_on_huge_pages(shape, self.dtype).zero_()
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(arch.vocab_size, config.seed)
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.1f MiB)",
                     arch.architecture, self.device, self.dtype, self.num_blocks, self.block_size,

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.models.config import ModelArchConfig
+from splitserve.engine.models.linear import upcast_gemms
 from splitserve.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def load_model(model_dir: str | Path, cfg: ModelArchConfig, max_position: int,
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights: {sorted(missing)[:5]}")
+    if upcast_gemms(model, dtype, device):
+        logger.info("%s GEMMs run in fp32 on this CPU (no native %s matmul)", dtype, dtype)
     return model.eval()
 
 
