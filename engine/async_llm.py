@@ -167,15 +167,21 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> RequestStream:
-        """Queue a request in the core; raise ValueError for a duplicate id."""
+        """Queue a request in the core; raise ValueError for a duplicate id.
+
+        The last `num_prior_output_tokens` of `prompt_token_ids` are output generated elsewhere
+        (EngineCoreRequest says how the core treats them)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, len(prompt_token_ids))
+        stream = RequestStream(request_id, len(prompt_token_ids) - num_prior_output_tokens)
         self.streams[request_id] = stream
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, num_prior_output_tokens
+        )
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -183,6 +189,7 @@ class AsyncLLM:
             arrival_time=time.time(),
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            num_prior_output_tokens=num_prior_output_tokens,
         )
         self.core.send(AddRequest(req))
         return stream

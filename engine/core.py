@@ -95,6 +95,7 @@ class EngineCore:
         bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} out of range [0, {vocab})")
+        req.check_prior_output()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate_request(req)

@@ -43,8 +43,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in prompt order.
 
-        A prompt is a string or `{"prompt_token_ids": [...]}`. Every prompt is validated before any
-        is queued, so a bad one raises ValueError and nothing runs.
+        A prompt is a string or `{"prompt_token_ids": [...]}`, optionally with
+        `"num_prior_output_tokens": k` (its last k tokens are output generated before; see
+        EngineCoreRequest). Every prompt is validated before any is queued, so a bad one raises
+        ValueError and nothing runs.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -59,24 +61,27 @@ class LLM:
             self.engine.validate_request(req)
         for text, req in requests:
             self.output_processor.add_request(req.request_id, text, req.prompt_token_ids,
-                                              req.sampling_params)
+                                              req.sampling_params, req.num_prior_output_tokens)
             self.engine.add_request(req)
         return self._run([req.request_id for _, req in requests], use_tqdm)
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int,
                       kv_transfer_params: dict[str, Any] | None
                       ) -> tuple[str | None, EngineCoreRequest]:
+        num_prior = 0
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            num_prior = int(prompt.get("num_prior_output_tokens", 0))
         else:
             raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         req = EngineCoreRequest(request_id=str(next(self._ids)), prompt_token_ids=token_ids,
                                 sampling_params=params, arrival_time=time.time(),
-                                priority=priority, kv_transfer_params=kv_transfer_params)
+                                priority=priority, kv_transfer_params=kv_transfer_params,
+                                num_prior_output_tokens=num_prior)
         return text, req
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -98,6 +98,26 @@ class SamplingFields(OpenAIModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+def deliverable_text_len(text: str, stop: list[str], include_stop_str_in_output: bool) -> int:
+    """How much of an unfinished output's `text` a client may already see.
+
+    Everything but the longest ending of `text` that begins a stop string: should that string
+    complete later, the text is cut where it starts, and a streamed prefix cannot be taken back.
+    (With `include_stop_str_in_output` nothing is cut, so nothing is held.) Streaming instances
+    release text by this rule, and the P/D router sends t0's text by it, so t0's held part comes
+    from the decode instance, which primes its output with t0 (`num_prior_output_tokens`).
+    """
+    if not stop or include_stop_str_in_output:
+        return len(text)
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return len(text) - held
+
+
 PromptInput = Annotated[
     str | list[str] | TokenIds | list[TokenIds],
     Field(description="text, token ids, or a batch of either"),
@@ -113,6 +133,12 @@ class CompletionRequest(SamplingFields):
     """Echoing the prompt is not supported."""
     suffix: None = None
     """Not supported."""
+    num_prior_output_tokens: NonNegativeInt = 0
+    """The last k tokens of each prompt are output this request already generated elsewhere (the
+    t0 a prefill instance sampled, which the P/D router sends a decode instance with the prompt).
+    They count as output, as in a colocated run: penalties, `min_tokens`/`max_tokens`, the seeded
+    position, stop strings spanning them and what follows, `usage.completion_tokens`. The answer
+    carries only what follows them: its text starts at `deliverable_text_len` of theirs."""
 
     @field_validator("prompt")
     @classmethod

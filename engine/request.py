@@ -107,6 +107,24 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # The last k of `prompt_token_ids` are output this request generated elsewhere (the t0 of a
+    # prefill instance): they count as output, so a decode instance continues exactly as a
+    # colocated run would (penalties, min/max_tokens, the seeded position).
+    num_prior_output_tokens: int = 0
+
+    def check_prior_output(self) -> None:
+        check_prior_output(self.num_prior_output_tokens, len(self.prompt_token_ids),
+                           self.sampling_params.max_tokens)
+
+
+def check_prior_output(num_prior: int, num_tokens: int, max_tokens: int) -> None:
+    """Prior output needs a prompt before it and must leave something to generate."""
+    if not 0 <= num_prior < num_tokens:
+        raise ValueError(f"num_prior_output_tokens must be in [0, {num_tokens}) for a prompt of "
+                         f"{num_tokens} tokens (at least one must be prompt), got {num_prior}")
+    if num_prior >= max_tokens:
+        raise ValueError(f"num_prior_output_tokens ({num_prior}) must be < max_tokens "
+                         f"({max_tokens}): nothing would be left to generate")
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -143,19 +161,25 @@ class Request:
 
     `num_computed_tokens` counts tokens whose KV is in the cache; the tokens still to compute are
     `all_token_ids[num_computed_tokens:]`. A running decode request has exactly one.
+
+    Prior output (`num_prior_output_tokens` = k) is split off the incoming token list here, so
+    the rest of the engine sees what a colocated run would after k steps: `output_token_ids`
+    starts with them, and only tokens sampled here are ever emitted.
     """
 
     def __init__(self, core_request: EngineCoreRequest, eos_token_ids: frozenset[int]) -> None:
         self.request_id = core_request.request_id
-        self.prompt_token_ids: list[int] = list(core_request.prompt_token_ids)
+        core_request.check_prior_output()
+        ids, k = core_request.prompt_token_ids, core_request.num_prior_output_tokens
+        self.prompt_token_ids: list[int] = list(ids[: len(ids) - k])
         self.sampling_params = core_request.sampling_params
         self.arrival_time = core_request.arrival_time or time.time()
         self.priority = core_request.priority
         self.kv_transfer_params = core_request.kv_transfer_params
         self.eos_token_ids = frozenset() if self.sampling_params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = list(ids[len(ids) - k :])
+        self.all_token_ids: list[int] = list(ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.num_preemptions = 0

@@ -53,6 +53,9 @@ class Sampler:
         return logits
 
     def _penalize_row(self, row: torch.Tensor, request: Request) -> None:
+        """Repetition: every token seen (prompt and output); presence/frequency: output only.
+
+        Output includes prior output (a decode instance's t0), so both match a colocated run."""
         params = request.sampling_params
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)

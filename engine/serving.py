@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from splitserve.engine.async_llm import AsyncLLM, RequestStream
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from splitserve.engine.request import SamplingParams, TokenLogprobs
+from splitserve.engine.request import SamplingParams, TokenLogprobs, check_prior_output
 from splitserve.engine.streaming import (
     SSEBody,
     SSEResponse,
@@ -62,9 +62,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def _usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """Prior output (`num_prior_output_tokens`) counts as completion, not prompt: the usage of
+    a decode instance's answer is that of the whole request, as a colocated run reports it."""
     return usage(
         sum(len(o.prompt_token_ids) for o in outputs),
-        sum(len(o.outputs[0].token_ids) for o in outputs),
+        sum(o.num_output_tokens for o in outputs),
         sum(o.num_cached_tokens for o in outputs),
     )
 
@@ -80,7 +82,7 @@ class OpenAIServing:
         prompts = [
             (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts
         ]
-        streams = self._add(req, base_id, prompts, req.max_tokens)
+        streams = self._add(req, base_id, prompts, req.max_tokens, req.num_prior_output_tokens)
         return await self._respond(
             req, streams, f"cmpl-{base_id}", self._completion_body, self._completion_chunks
         )
@@ -96,7 +98,9 @@ class OpenAIServing:
                 "text": c.text,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "logprobs": self._completion_logprobs(c.token_ids, c.logprobs),
+                "logprobs": self._completion_logprobs(
+                    c.token_ids, c.logprobs, self._text_len(out.prior_output_token_ids)
+                ),
             }
             if req.return_token_ids:
                 choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
@@ -119,6 +123,7 @@ class OpenAIServing:
         num_prompts: int,
     ) -> AsyncIterator[bytes]:
         created, finals = int(time.time()), {}
+        offsets: dict[int, int] = {}  # per prompt: text_offset of its next token
         base = {
             "id": rid,
             "object": "text_completion",
@@ -136,9 +141,11 @@ class OpenAIServing:
             }
             if c.logprobs is not None and out.new_token_ids:
                 n = len(out.new_token_ids)
-                choice["logprobs"] = self._completion_logprobs(
-                    out.new_token_ids, c.logprobs[-n:], len(c.text) - len(out.new_text)
-                )
+                if i not in offsets:
+                    offsets[i] = self._text_len(out.prior_output_token_ids + c.token_ids[:-n])
+                lps = self._completion_logprobs(out.new_token_ids, c.logprobs[-n:], offsets[i])
+                offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                choice["logprobs"] = lps
             if req.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
                 if len(c.token_ids) == len(out.new_token_ids):
@@ -157,6 +164,8 @@ class OpenAIServing:
     def _completion_logprobs(
         self, token_ids: list[int], lps: list[TokenLogprobs] | None, offset: int = 0
     ) -> dict[str, Any] | None:
+        """OpenAI's parallel lists; `text_offset` counts token strings from the first output
+        token (`offset`: the length of those before `token_ids`), streamed or not."""
         if lps is None:
             return None
         tok = self._token_str
@@ -294,6 +303,9 @@ class OpenAIServing:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _text_len(self, token_ids: list[int]) -> int:
+        return sum(len(self._token_str(t)) for t in token_ids)
+
     # ------------------------------------------------------------------------------ shared
     def _add(
         self,
@@ -301,15 +313,34 @@ class OpenAIServing:
         base_id: str,
         prompts: list[tuple[str | None, list[int]]],
         max_tokens: int | None,
+        num_prior: int = 0,
     ) -> list[RequestStream]:
-        """Build every prompt's SamplingParams first (a bad one queues nothing), then queue."""
-        params = [self._sampling_params(req, len(ids), max_tokens) for _, ids in prompts]
+        """Build every prompt's SamplingParams first (a bad one queues nothing), then queue.
+
+        The last `num_prior` tokens of each prompt are prior output: limits are those of the
+        prompt before them, as in the colocated run that generated them."""
+        params = [
+            self._sampling_params(req, len(ids) - num_prior, max_tokens) for _, ids in prompts
+        ]
+        for (_, ids), sp in zip(prompts, params, strict=True):
+            try:
+                check_prior_output(num_prior, len(ids), sp.max_tokens)
+            except ValueError as err:
+                raise APIError(
+                    400, str(err), param="num_prior_output_tokens", code="invalid_value"
+                ) from None
         streams: list[RequestStream] = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True)):
                 streams.append(
                     self.engine.add_request(
-                        f"{base_id}-{i}", text, ids, sp, req.priority, req.kv_transfer_params
+                        f"{base_id}-{i}",
+                        text,
+                        ids,
+                        sp,
+                        req.priority,
+                        req.kv_transfer_params,
+                        num_prior,
                     )
                 )
         except ValueError as err:

@@ -4,9 +4,13 @@ The prefill instance gets the client's body as is (same tokenization, same chat 
 `max_tokens: 1`, no streaming, `return_token_ids` and `kv_transfer_params: {do_remote_decode}`
 (not when the client asked for one token: then t0 is the whole answer).
 The decode instance always gets a *completion* with a token-id prompt, `prompt_token_ids + [t0]`,
-so it never re-tokenizes and its positions match a colocated run; its completion chunks are then
-rewritten in the client's format (completion or chat) with usage counting the real prompt and
-every generated token, t0 included.
+so it never re-tokenizes and its positions match a colocated run, and `num_prior_output_tokens: 1`,
+so it counts t0 as output, not prompt: penalties, `min_tokens`/`max_tokens` (the client's, as
+they are), stop strings spanning t0 and t1, and usage are those of a colocated run. Its completion
+chunks are then rewritten in the client's format (completion or chat).
+
+t0's text goes to the client at once, except an ending that may begin a stop string
+(`deliverable_text_len`): the decode instance, primed with t0, sends that part once it knows.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from splitserve.engine.protocol import deliverable_text_len
+
 # Sampling fields a decode request inherits from the client's request.
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "include_stop_str_in_output", "skip_special_tokens", "priority")
+             "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority")
 
 
 def max_output_tokens(body: dict[str, Any], chat: bool) -> int | None:
@@ -56,10 +62,10 @@ def prefill_result(answer: dict[str, Any], chat: bool) -> dict[str, Any]:
 def decode_body(body: dict[str, Any], chat: bool, t0: dict[str, Any],
                 stream: bool) -> dict[str, Any]:
     d = {k: body[k] for k in _SAMPLING if k in body}
-    limit = max_output_tokens(body, chat)
-    d.update(prompt=t0["prompt_token_ids"] + t0["token_ids"], stream=stream,
-             max_tokens=None if limit is None else limit - 1,
-             min_tokens=max(0, int(body.get("min_tokens") or 0) - 1))
+    d.update(prompt=t0["prompt_token_ids"] + t0["token_ids"],
+             num_prior_output_tokens=len(t0["token_ids"]), stream=stream,
+             max_tokens=max_output_tokens(body, chat),
+             return_token_ids=bool(body.get("return_token_ids")))
     if stream:
         d["stream_options"] = {"include_usage": True}
     if chat and body.get("logprobs"):
@@ -69,6 +75,14 @@ def decode_body(body: dict[str, Any], chat: bool, t0: dict[str, Any],
     if t0["kv_transfer_params"]:
         d["kv_transfer_params"] = t0["kv_transfer_params"]
     return d
+
+
+def t0_text_now(body: dict[str, Any], t0: dict[str, Any]) -> str:
+    """What of t0's text the client gets before the decode instance answers (module doc)."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    n = deliverable_text_len(t0["text"], stops, bool(body.get("include_stop_str_in_output")))
+    return t0["text"][:n]
 
 
 def stops_at_t0(body: dict[str, Any], chat: bool, t0: dict[str, Any]) -> bool:
@@ -133,17 +147,19 @@ class ClientChunks:
 
 def full_response(body: dict[str, Any], chat: bool, request_id: str, model: str,
                   t0: dict[str, Any], rest: dict[str, Any] | None) -> dict[str, Any]:
-    """A non-streamed answer: t0 from the prefill, the rest (if any) from the decode."""
+    """A non-streamed answer: t0 from the prefill, the rest (if any) from the decode, whose
+    usage counts t0 among the completion tokens."""
     text, ids = t0["text"], list(t0["token_ids"])
     finish, stop_reason = t0["finish_reason"], t0["stop_reason"]
     logprobs = t0["logprobs"]
+    n_out = len(ids)
     if rest is not None:
         c = rest["choices"][0]
-        text += c.get("text", "")
+        text = t0_text_now(body, t0) + c.get("text", "")
         ids += c.get("token_ids") or []
         finish, stop_reason = c.get("finish_reason"), c.get("stop_reason")
         logprobs = merge_logprobs(logprobs, c.get("logprobs"))
-    n_out = len(t0["token_ids"]) + (rest["usage"]["completion_tokens"] if rest else 0)
+        n_out = rest["usage"]["completion_tokens"]
     u = usage(len(t0["prompt_token_ids"]), n_out, t0["cached_tokens"])
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},

@@ -4,7 +4,8 @@
 client ─▶ router ── body, max_tokens 1, do_remote_decode ─▶ P   (retry another P on failure)
                  ◀── t0, prompt_token_ids, kv_transfer_params ──
 client ◀── t0 (first SSE chunk, at once)
-                 ── prompt_token_ids + [t0], do_remote_prefill, streaming ─▶ D
+                 ── prompt_token_ids + [t0], num_prior_output_tokens 1,
+                    do_remote_prefill, streaming ─▶ D
 client ◀── t1, t2, … (rewritten in the client's format)
 ```
 
@@ -12,7 +13,8 @@ No prefill instance answers → decode-only: the client's original body goes to 
 prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer comes from P alone
 and, once it is sent, the router tells P to free its held blocks (`POST /v1/kv/release`); were
 that call lost, the lease frees them. (With max_tokens 1 P holds none: it is not asked to.)
-Colocated fleets skip all of this: the body goes to one instance and its answer comes back.
+A batch of prompts takes this path once per prompt (router/batch.py). Colocated fleets skip
+all of this: the body goes to one instance and its answer comes back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from splitserve.router import convert
+from splitserve.router.batch import disaggregated_batch, is_batch
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import RoutingPolicy
 from splitserve.router.registry import Instance, InstanceRegistry
@@ -83,11 +86,10 @@ class FleetProxy:
         try:
             if colocated:
                 return await self.forward("colocated", path, raw, request_id, prompt, started)
-            batch = body is not None and not chat and isinstance(body.get("prompt"), list) and (
-                body["prompt"] and not isinstance(body["prompt"][0], int)
-                and len(body["prompt"]) > 1)
-            if body is None or batch:  # errors, or batches: let one instance do it all
+            if body is None:  # invalid: the instance answers the error
                 return await self.forward("decode", path, raw, request_id, prompt, started)
+            if is_batch(body, chat):
+                return await disaggregated_batch(self, path, body, request_id, started)
             return await self.disaggregated(path, raw, body, chat, request_id, prompt, started)
         except NoInstance as err:
             self.metrics.errors.labels("no_instance").inc()
@@ -240,7 +242,7 @@ class FleetProxy:
         out = convert.ClientChunks(body, chat, request_id, model)
         if chat:
             yield sse(out.role())
-        yield sse(out.tokens(t0["text"], t0["token_ids"], None, None,
+        yield sse(out.tokens(convert.t0_text_now(body, t0), t0["token_ids"], None, None,
                              t0["logprobs"] if not chat else None))
         n_prompt, n_out = len(t0["prompt_token_ids"]), len(t0["token_ids"])
         d_inst, response = None, None
@@ -254,7 +256,7 @@ class FleetProxy:
                     yield sse(event)
                     break
                 if event.get("usage") and not event.get("choices"):
-                    n_out += event["usage"]["completion_tokens"]
+                    n_out = event["usage"]["completion_tokens"]  # t0 included
                     continue
                 c = event["choices"][0]
                 yield sse(out.tokens(c.get("text", ""), c.get("token_ids") or [],
