@@ -3,9 +3,8 @@
 The front end tokenizes, sends tokens to the core, and turns the core's token batches back into
 text (OutputProcessor: incremental detokenization and stop strings). Each request gets its own
 async stream. One task reads the core's output socket; per message (one per engine step) it
-detokenizes every request's new tokens and wakes the waiting streams. A stream whose consumer is
-slower than the engine collects several updates and hands them over merged, so a busy HTTP loop
-does less work per token instead of falling behind.
+detokenizes every request's new tokens and wakes the waiting streams (RequestStream, which hands
+a slow consumer several updates merged).
 
 Cancelling the consumer of a stream (client disconnect) aborts the request in the core, which
 frees its KV blocks.
@@ -14,7 +13,6 @@ frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +34,7 @@ from splitserve.engine.core_proc import (
 from splitserve.engine.metrics import ServerMetrics
 from splitserve.engine.output_processor import OutputProcessor, RequestOutput
 from splitserve.engine.request import EngineCoreRequest, SamplingParams
+from splitserve.engine.request_stream import RequestStream
 from splitserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,61 +46,6 @@ class RequestRejectedError(ValueError):
     def __init__(self, message: str, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.code = code
-
-
-class RequestStream:
-    """Updates of one request, produced by the output loop, consumed by one handler."""
-
-    __slots__ = (
-        "request_id",
-        "prompt_len",
-        "pending",
-        "event",
-        "error",
-        "arrival",
-        "last_token_time",
-        "finished",
-    )
-
-    def __init__(self, request_id: str, prompt_len: int) -> None:
-        self.request_id = request_id
-        self.prompt_len = prompt_len
-        self.pending: list[RequestOutput] = []
-        self.event = asyncio.Event()
-        self.error: BaseException | None = None
-        self.arrival = time.monotonic()
-        self.last_token_time: float | None = None
-        self.finished = False
-
-    def put(self, output: RequestOutput) -> None:
-        self.pending.append(output)
-        self.event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.event.set()
-
-    async def get(self) -> RequestOutput:
-        """The next update, merged with any others that arrived meanwhile."""
-        while not self.pending:
-            if self.error is not None:
-                raise self.error
-            self.event.clear()
-            await self.event.wait()
-        outputs, self.pending = self.pending, []
-        return merge_outputs(outputs)
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Fold consecutive updates of one request: deltas concatenated, the rest from the last."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return dataclasses.replace(
-        last,
-        new_text="".join(o.new_text for o in outputs),
-        new_token_ids=[t for o in outputs for t in o.new_token_ids],
-    )
 
 
 class AsyncLLM:

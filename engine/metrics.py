@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from splitserve.engine.loop_histogram import LoopHistogram
 from splitserve.kv_connector.metrics import KVTransferCollector, KVTransferStats
 
 if TYPE_CHECKING:
-    from splitserve.engine.async_llm import RequestStream
     from splitserve.engine.output_processor import RequestOutput
+    from splitserve.engine.request_stream import RequestStream
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -92,109 +93,54 @@ class ServerMetrics:
     """The metric objects, bound to the served model's label."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
+        self.registry = r = CollectorRegistry()
+        self._model_name = model_name
+        label = {"model_name": model_name}
 
-        def child(metric: Any) -> Any:
-            return metric.labels(model_name=model_name)
+        # Registration order is the order of /metrics. Latencies are observed on the event
+        # loop's hot path: LoopHistogram (no locks).
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LoopHistogram:
+            return LoopHistogram(f"splitserve:{name}", doc, label, buckets, r)
 
-        self.ttft = child(
-            Histogram(
-                "splitserve:time_to_first_token_seconds",
-                "Time from arrival to the first token",
-                labels,
-                buckets=_LATENCY_BUCKETS,
-                registry=r,
-            )
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"splitserve:{name}", doc, list(label), registry=r).labels(**label)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"splitserve:{name}", doc, list(label), registry=r).labels(**label)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token", _LATENCY_BUCKETS
         )
-        self.itl = child(
-            Histogram(
-                "splitserve:inter_token_latency_seconds",
-                "Time between consecutive token updates of a request",
-                labels,
-                buckets=_ITL_BUCKETS,
-                registry=r,
-            )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive token updates of a request",
+            _ITL_BUCKETS,
         )
-        self.e2e = child(
-            Histogram(
-                "splitserve:e2e_request_latency_seconds",
-                "Time from arrival to the last token",
-                labels,
-                buckets=_E2E_BUCKETS,
-                registry=r,
-            )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token", _E2E_BUCKETS
         )
-        self.prompt_tokens = child(
-            Counter(
-                "splitserve:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
-            )
-        )
-        self.generation_tokens = child(
-            Counter("splitserve:generation_tokens", "Generated tokens", labels, registry=r)
-        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self._success = Counter(
             "splitserve:request_success",
             "Finished requests by reason",
-            labels + ["finished_reason"],
+            [*label, "finished_reason"],
             registry=r,
         )
-        self._model_name = model_name
-        self.running = child(
-            Gauge(
-                "splitserve:num_requests_running",
-                "Requests in the running batch",
-                labels,
-                registry=r,
-            )
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled (incl. remote KV loads)"
         )
-        self.waiting = child(
-            Gauge(
-                "splitserve:num_requests_waiting",
-                "Requests waiting to be scheduled (incl. remote KV loads)",
-                labels,
-                registry=r,
-            )
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.kv_blocks_free = gauge("kv_cache_blocks_free", "Free KV blocks")
+        self.prefix_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prefix-cache hits / queries (blocks) since start"
         )
-        self.kv_usage = child(
-            Gauge(
-                "splitserve:kv_cache_usage_perc",
-                "Fraction of KV blocks in use (0-1)",
-                labels,
-                registry=r,
-            )
+        self.prefix_queries = gauge(
+            "prefix_cache_queries", "Prefix-cache block queries since start"
         )
-        self.kv_blocks_free = child(
-            Gauge("splitserve:kv_cache_blocks_free", "Free KV blocks", labels, registry=r)
-        )
-        self.prefix_hit_rate = child(
-            Gauge(
-                "splitserve:prefix_cache_hit_rate",
-                "Prefix-cache hits / queries (blocks) since start",
-                labels,
-                registry=r,
-            )
-        )
-        self.prefix_queries = child(
-            Gauge(
-                "splitserve:prefix_cache_queries",
-                "Prefix-cache block queries since start",
-                labels,
-                registry=r,
-            )
-        )
-        self.prefix_hits = child(
-            Gauge(
-                "splitserve:prefix_cache_hits",
-                "Prefix-cache block hits since start",
-                labels,
-                registry=r,
-            )
-        )
-        self.preemptions = child(
-            Gauge("splitserve:num_preemptions", "Preemptions since start", labels, registry=r)
-        )
+        self.prefix_hits = gauge("prefix_cache_hits", "Prefix-cache block hits since start")
+        self.preemptions = gauge("num_preemptions", "Preemptions since start")
         self._transfer_stats: dict[str, KVTransferStats] = {}
         r.register(KVTransferCollector(lambda: self._transfer_stats))
 

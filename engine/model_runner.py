@@ -74,7 +74,7 @@ class ModelRunner:
         shape = (self.num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads,
                  arch.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = empty_on_huge_pages(shape, self.dtype).zero_()
+            self.kv_cache = empty_on_huge_pages(shape, self.dtype)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(arch.vocab_size, config.seed)

@@ -7,35 +7,78 @@ client sends the extensions through `extra_body`). Range checks live on the fiel
 value is a 400 that names the field, never a 500 from deeper down. Unknown fields are ignored, as
 OpenAI and vLLM do.
 
-The router only reads and writes these models; it never imports the engine.
+Response bodies, chunks and errors live in protocol_responses.py and are re-exported here, so
+this module stays the one import of the HTTP message types. The router only reads and writes these
+models; it never imports the engine.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import Field, NonNegativeInt, field_validator
+
+from splitserve.engine.protocol_responses import (
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChoiceBase,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    OpenAIModel,
+    PromptTokensDetails,
+    ResponseBase,
+    TopLogprob,
+    UsageInfo,
+)
 
 TokenIds = list[NonNegativeInt]
 
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-# ------------------------------------------------------------------------------------ errors
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(OpenAIModel):
-    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers."""
-
-    error: ErrorInfo
+__all__ = [
+    "ChatCompletionChoice",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatTokenLogprob",
+    "ChoiceBase",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionStreamChoice",
+    "CompletionStreamResponse",
+    "DeltaMessage",
+    "ErrorInfo",
+    "ErrorResponse",
+    "KVReleaseRequest",
+    "ModelCard",
+    "ModelList",
+    "OpenAIModel",
+    "PromptTokensDetails",
+    "ResponseBase",
+    "SamplingFields",
+    "StreamOptions",
+    "TextContentPart",
+    "TopLogprob",
+    "UsageInfo",
+    "deliverable_text_len",
+]
 
 
 # ------------------------------------------------------------------------------------ requests
@@ -195,149 +238,6 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-# ------------------------------------------------------------------------------------ responses
-class PromptTokensDetails(OpenAIModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(OpenAIModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(OpenAIModel):
-    """Completions' logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class CompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionStreamChoice(OpenAIModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class TopLogprob(OpenAIModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(OpenAIModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(OpenAIModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class ModelCard(OpenAIModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "splitserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class KVReleaseRequest(OpenAIModel):

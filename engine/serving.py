@@ -1,310 +1,51 @@
 """OpenAI completions and chat completions over an AsyncLLM: request in, response or SSE out.
 
 A request becomes one engine request per prompt (`{X-Request-Id}-{index}`), so the router can
-name them. Non-streamed answers wait for every prompt; streamed ones send each update as a chunk
-as soon as the output loop hands it over. Chunks are plain dicts encoded by msgspec (shaped as
-`protocol.CompletionStreamResponse` / `ChatCompletionStreamResponse`): pydantic per token would
-cost more than the rest of the front end together.
+name them. Every prompt's SamplingParams is checked before any is queued. Non-streamed answers
+wait for every prompt; streamed ones send each update as a chunk as soon as the output loop hands
+it over. The JSON of either is response_format.py's; the SSE plumbing is streaming.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import msgspec
 from fastapi.responses import Response
 
-from splitserve.engine.async_llm import AsyncLLM, RequestStream
+from splitserve.engine.api_errors import APIError
+from splitserve.engine.async_llm import AsyncLLM
 from splitserve.engine.output_processor import RequestOutput
 from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from splitserve.engine.request import SamplingParams, TokenLogprobs, check_prior_output
-from splitserve.engine.streaming import (
-    SSEBody,
-    SSEResponse,
-    collect,
-    iterate_streams,
-    sse,
-    with_errors,
-)
-
-
-class APIError(Exception):
-    """An OpenAI error answer: the server turns it into `{"error": {...}}` with `status`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type_,
-        )
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def _usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """Prior output (`num_prior_output_tokens`) counts as completion, not prompt: the usage of
-    a decode instance's answer is that of the whole request, as a colocated run reports it."""
-    return usage(
-        sum(len(o.prompt_token_ids) for o in outputs),
-        sum(o.num_output_tokens for o in outputs),
-        sum(o.num_cached_tokens for o in outputs),
-    )
+from splitserve.engine.request import SamplingParams, check_prior_output
+from splitserve.engine.request_stream import RequestStream
+from splitserve.engine.response_format import ChatFormat, CompletionFormat, ResponseFormat
+from splitserve.engine.streaming import SSEBody, SSEResponse, collect
 
 
 class OpenAIServing:
+    """The two generation endpoints of one instance, over its AsyncLLM."""
+
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
 
-    # ------------------------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, base_id: str) -> Response:
         prompts = [
             (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts
         ]
         streams = self._add(req, base_id, prompts, req.max_tokens, req.num_prior_output_tokens)
-        return await self._respond(
-            req, streams, f"cmpl-{base_id}", self._completion_body, self._completion_chunks
-        )
+        fmt = CompletionFormat(req, f"cmpl-{base_id}", self.model_name, self.tokenizer)
+        return await self._respond(req, streams, fmt)
 
-    def _completion_body(
-        self, req: CompletionRequest, rid: str, outs: list[RequestOutput]
-    ) -> dict[str, Any]:
-        choices = []
-        for i, out in enumerate(outs):
-            c = out.outputs[0]
-            choice = {
-                "index": i,
-                "text": c.text,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-                "logprobs": self._completion_logprobs(
-                    c.token_ids, c.logprobs, self._text_len(out.prior_output_token_ids)
-                ),
-            }
-            if req.return_token_ids:
-                choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-            choices.append(choice)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": _usage_of(outs),
-            "kv_transfer_params": outs[0].kv_transfer_params,
-        }
-
-    async def _completion_chunks(
-        self,
-        req: CompletionRequest,
-        rid: str,
-        updates: AsyncIterator[tuple[int, RequestOutput]],
-        num_prompts: int,
-    ) -> AsyncIterator[bytes]:
-        created, finals = int(time.time()), {}
-        offsets: dict[int, int] = {}  # per prompt: text_offset of its next token
-        base = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-        }
-        async for i, out in updates:
-            c = out.outputs[0]
-            choice: dict[str, Any] = {
-                "index": i,
-                "text": out.new_text,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if c.logprobs is not None and out.new_token_ids:
-                n = len(out.new_token_ids)
-                if i not in offsets:
-                    offsets[i] = self._text_len(out.prior_output_token_ids + c.token_ids[:-n])
-                lps = self._completion_logprobs(out.new_token_ids, c.logprobs[-n:], offsets[i])
-                offsets[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-                choice["logprobs"] = lps
-            if req.return_token_ids:
-                choice["token_ids"] = out.new_token_ids
-                if len(c.token_ids) == len(out.new_token_ids):
-                    choice["prompt_token_ids"] = out.prompt_token_ids
-            chunk = {**base, "choices": [choice]}
-            if req.continuous_usage:
-                chunk["usage"] = _usage_of([out])
-            if out.finished:
-                finals[i] = out
-                if out.kv_transfer_params is not None:
-                    chunk["kv_transfer_params"] = out.kv_transfer_params
-            yield sse(chunk)
-        if req.include_usage and len(finals) == num_prompts:
-            yield sse({**base, "choices": [], "usage": _usage_of(list(finals.values()))})
-
-    def _completion_logprobs(
-        self, token_ids: list[int], lps: list[TokenLogprobs] | None, offset: int = 0
-    ) -> dict[str, Any] | None:
-        """OpenAI's parallel lists; `text_offset` counts token strings from the first output
-        token (`offset`: the length of those before `token_ids`), streamed or not."""
-        if lps is None:
-            return None
-        tok = self._token_str
-        tokens = [tok(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        top = [{tok(x.token_id): x.logprob for x in [*lp.top, lp.sampled]} for lp in lps]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.sampled.logprob for lp in lps],
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-    # ------------------------------------------------------------------------------ chat
     async def chat_completions(self, req: ChatCompletionRequest, base_id: str) -> Response:
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         streams = self._add(req, base_id, [(text, ids)], req.max_output_tokens)
-        return await self._respond(
-            req, streams, f"chatcmpl-{base_id}", self._chat_body, self._chat_chunks
-        )
-
-    def _chat_body(
-        self, req: ChatCompletionRequest, rid: str, outs: list[RequestOutput]
-    ) -> dict[str, Any]:
-        out = outs[0]
-        c = out.outputs[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        body = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": _usage_of(outs),
-            "kv_transfer_params": out.kv_transfer_params,
-        }
-        if req.return_token_ids:
-            choice["token_ids"] = c.token_ids
-            body["prompt_token_ids"] = out.prompt_token_ids
-        return body
-
-    async def _chat_chunks(
-        self,
-        req: ChatCompletionRequest,
-        rid: str,
-        updates: AsyncIterator[tuple[int, RequestOutput]],
-        num_prompts: int,
-    ) -> AsyncIterator[bytes]:
-        base = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        first, final = True, None
-        async for _, out in updates:
-            c = out.outputs[0]
-            if first:
-                role = {
-                    **base,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-                if req.return_token_ids:
-                    role["prompt_token_ids"] = out.prompt_token_ids
-                yield sse(role)
-                first = False
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {"content": out.new_text},
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if c.logprobs is not None and out.new_token_ids:
-                choice["logprobs"] = self._chat_logprobs(
-                    out.new_token_ids, c.logprobs[-len(out.new_token_ids) :]
-                )
-            if req.return_token_ids:
-                choice["token_ids"] = out.new_token_ids
-            chunk = {**base, "choices": [choice]}
-            if req.continuous_usage:
-                chunk["usage"] = _usage_of([out])
-            if out.finished:
-                final = out
-                if out.kv_transfer_params is not None:
-                    chunk["kv_transfer_params"] = out.kv_transfer_params
-            yield sse(chunk)
-        if req.include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": _usage_of([final])})
-
-    def _chat_logprobs(
-        self, token_ids: list[int], lps: list[TokenLogprobs] | None
-    ) -> dict[str, Any] | None:
-        if lps is None:
-            return None
-        content = []
-        for token_id, lp in zip(token_ids, lps, strict=True):
-            s = self._token_str(token_id)
-            top = [
-                {
-                    "token": (t := self._token_str(x.token_id)),
-                    "logprob": x.logprob,
-                    "bytes": list(t.encode()),
-                }
-                for x in lp.top
-            ]
-            content.append(
-                {
-                    "token": s,
-                    "logprob": lp.sampled.logprob,
-                    "bytes": list(s.encode()),
-                    "top_logprobs": top,
-                }
-            )
-        return {"content": content}
-
-    def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _text_len(self, token_ids: list[int]) -> int:
-        return sum(len(self._token_str(t)) for t in token_ids)
+        fmt = ChatFormat(req, f"chatcmpl-{base_id}", self.model_name, self.tokenizer)
+        return await self._respond(req, streams, fmt)
 
     # ------------------------------------------------------------------------------ shared
     def _add(
@@ -390,24 +131,28 @@ class OpenAIServing:
             self.engine.abort(s.request_id)
 
     async def _respond(
-        self, req: Any, streams: list[RequestStream], rid: str, body: Callable, chunks: Callable
+        self, req: SamplingFields, streams: list[RequestStream], fmt: ResponseFormat
     ) -> Response:
+        """The answer, once the first update of every prompt (streamed) or the last (not) is in;
+        the requests are aborted unless a streamed body took them over."""
         handed_over = False
         try:
             if req.stream:
                 # The first update (or the core's refusal) decides the status line.
                 firsts = [await s.get() for s in streams]
                 _raise_if_failed([o for o in firsts if o.finished])
-                events = with_errors(
-                    chunks(req, rid, iterate_streams(streams, firsts), len(streams))
+                body = SSEBody(
+                    streams,
+                    firsts,
+                    fmt.stream_events,
+                    fmt.stream_end,
+                    lambda: self._abort(streams),
                 )
                 handed_over = True
-                return SSEResponse(SSEBody(events, lambda: self._abort(streams)))
+                return SSEResponse(body)
             outs = await asyncio.gather(*(collect(s) for s in streams))
             _raise_if_failed(outs)
-            return Response(
-                msgspec.json.encode(body(req, rid, outs)), media_type="application/json"
-            )
+            return Response(msgspec.json.encode(fmt.body(outs)), media_type="application/json")
         finally:
             if not handed_over:
                 self._abort(streams)

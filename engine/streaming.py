@@ -4,6 +4,11 @@ However a streamed response ends (last chunk, client disconnect, a failed write 
 socket, or a response that is never sent), its engine requests are aborted exactly once, so
 their KV blocks are freed. A request that fails after the headers went out becomes an SSE error
 event followed by `[DONE]`, as OpenAI-compatible clients expect.
+
+Per token, one update of every running request goes from the output loop to its handler and out
+as one write to the socket, so the path is kept short: the body renders each update itself (no
+generator per stage), and the last update's events, the usage chunk and `[DONE]` leave in the
+same write that ends the HTTP body. The bytes on the wire are the same events, in fewer chunks.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from typing import Any
 import msgspec
 from fastapi.responses import StreamingResponse
 
-from splitserve.engine.async_llm import RequestStream
 from splitserve.engine.output_processor import RequestOutput
+from splitserve.engine.request_stream import RequestStream
 
 DONE = b"data: [DONE]\n\n"
 
@@ -25,26 +30,80 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-class SSEBody:
-    """A streamed body that aborts its requests however it ends (done, error, cancel, dropped).
+def error_event(err: BaseException) -> bytes:
+    """The event a failure after the headers becomes (engine died, request failed mid-way)."""
+    error = {"message": str(err), "type": "server_error", "param": None, "code": "stream_failed"}
+    return sse({"error": error})
 
-    An async generator that Starlette never starts (the client left first) never runs its
-    `finally`; this wrapper's `close` also runs when the object is dropped.
+
+class SSEBody:
+    """The events of a streamed answer, rendered update by update; aborts its requests however it
+    ends (done, error, cancel, dropped).
+
+    `firsts` are the requests' first updates (already taken: they decided the status line).
+    `render(index, update)` gives one update's events, `render_end()` those after the last update
+    of every prompt (the usage chunk); `[DONE]` closes the body. One prompt (the common case) is
+    read straight from its stream; several are merged by `iterate_streams`. An async generator
+    that Starlette never starts (the client left first) never runs its `finally`; this object's
+    `close` also runs when it is dropped.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        self._chunks = chunks
+    def __init__(
+        self,
+        streams: list[RequestStream],
+        firsts: list[RequestOutput],
+        render: Callable[[int, RequestOutput], bytes],
+        render_end: Callable[[], bytes],
+        on_close: Callable[[], None],
+    ) -> None:
+        single = len(streams) == 1
+        self._stream = streams[0] if single else None
+        self._first: RequestOutput | None = firsts[0] if single else None
+        self._updates = None if single else iterate_streams(streams, firsts)
+        self._num_unfinished = len(streams)
+        self._render, self._render_end = render, render_end
         self._on_close: Callable[[], None] | None = on_close
+        self._done = False
 
     def __aiter__(self) -> SSEBody:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._done:
+            if self._updates is not None:
+                await self._updates.aclose()
+            self.close()
+            raise StopAsyncIteration
         try:
-            return await self._chunks.__anext__()
+            i, out = await self._next_update()
+            data = self._render(i, out)
+            if out.finished:
+                self._num_unfinished -= 1
+                if self._num_unfinished == 0:
+                    self._done = True
+                    return data + self._render_end() + DONE
+            return data
+        except (RuntimeError, ValueError) as err:  # engine died, request failed mid-way
+            self._done = True
+            return error_event(err) + DONE
+        except StopAsyncIteration:  # the updates ended before every prompt finished
+            self._done = True
+            return DONE
         except BaseException:
             self.close()
             raise
+
+    async def _next_update(self) -> tuple[int, RequestOutput]:
+        if self._updates is not None:
+            return await self._updates.__anext__()
+        if self._first is not None:
+            out, self._first = self._first, None
+            return 0, out
+        assert self._stream is not None
+        out = await self._stream.get()
+        if out.error is not None:
+            raise RuntimeError(f"request failed: {out.error}")
+        return 0, out
 
     def close(self) -> None:
         if self._on_close is not None:
@@ -71,6 +130,19 @@ class SSEResponse(StreamingResponse):
         finally:
             self._body.close()
 
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, except that the events ending in `[DONE]` also end the HTTP body: one
+        write instead of two at the end of every stream."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        more = True
+        async for data in self._body:
+            more = not data.endswith(DONE)
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 async def collect(stream: RequestStream) -> RequestOutput:
     """Wait for a request's last update."""
@@ -83,20 +155,13 @@ async def collect(stream: RequestStream) -> RequestOutput:
 async def iterate_streams(
     streams: list[RequestStream], firsts: list[RequestOutput]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, update) of several requests as they come, starting with `firsts`.
+    """(prompt index, update) of several requests as they come, starting with `firsts` (one task
+    per request waiting; a single request is read without: SSEBody).
 
     A request that fails mid-way (e.g. its KV load failed under policy `fail`) raises.
     """
     for i, out in enumerate(firsts):
         yield i, out
-    if len(streams) == 1:  # the common case: no tasks
-        out = firsts[0]
-        while not out.finished:
-            out = await streams[0].get()
-            if out.error is not None:
-                raise RuntimeError(f"request failed: {out.error}")
-            yield 0, out
-        return
     pending = {
         asyncio.ensure_future(s.get()): i for i, s in enumerate(streams) if not firsts[i].finished
     }
@@ -114,22 +179,3 @@ async def iterate_streams(
     finally:
         for task in pending:
             task.cancel()
-
-
-async def with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Chunks, then `[DONE]`; a failure after the headers went out becomes an error event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except (RuntimeError, ValueError) as err:  # engine died, request failed mid-way
-        yield sse(
-            {
-                "error": {
-                    "message": str(err),
-                    "type": "server_error",
-                    "param": None,
-                    "code": "stream_failed",
-                }
-            }
-        )
-    yield DONE

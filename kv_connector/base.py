@@ -43,6 +43,7 @@ computes them when it starts holding a request, which is after `request_finished
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -92,9 +93,49 @@ class RequestView(Protocol):
     @property
     def num_prompt_tokens(self) -> int: ...
 
+    @property
+    def num_tokens(self) -> int: ...  # prompt + prior output (t0 on a decode instance) + output
+
 
 class KVConnectorMetadata(msgspec.Struct, kw_only=True):
     """Base of the per-step message from the scheduler side to the worker side."""
+
+
+class FinishedSet:
+    """Results a connector's threads report, handed to the engine by `get_finished`.
+
+    Transfers finish on I/O threads while the engine thread drains between steps; the lock makes
+    each drain see a result exactly once. Who sets this: the connector's threads (`sent`,
+    `recved`, `failed`); who reads it: `KVConnectorBase.get_finished`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sending: set[str] = set()
+        self._recving: set[str] = set()
+        self._failed: dict[str, str] = {}
+
+    def sent(self, request_id: str) -> None:
+        """The producer may free the request's blocks (consumer done, save landed, lease over)."""
+        with self._lock:
+            self._sending.add(request_id)
+
+    def recved(self, request_id: str) -> None:
+        """Every byte of the request's load landed (and matched its checksums)."""
+        with self._lock:
+            self._recving.add(request_id)
+
+    def failed(self, request_id: str, reason: str) -> None:
+        """The request's load failed; the engine applies the failure policy."""
+        with self._lock:
+            self._failed[request_id] = reason
+
+    def drain(self) -> tuple[set[str], set[str], dict[str, str]]:
+        """(done_sending, done_recving, failed) since the last drain."""
+        with self._lock:
+            out = (self._sending, self._recving, self._failed)
+            self._sending, self._recving, self._failed = set(), set(), {}
+        return out
 
 
 class KVConnectorBase(ABC):
@@ -110,6 +151,7 @@ class KVConnectorBase(ABC):
         self.engine_info = engine_info
         self.options = validate_options(config.connector, self.Options, config.options)
         self.stats = KVTransferStats()
+        self.finished = FinishedSet()  # filled by the worker side's threads
 
     @property
     def is_producer(self) -> bool:
@@ -156,9 +198,9 @@ class KVConnectorBase(ABC):
     def save_kv(self, meta: KVConnectorMetadata) -> None:
         """After the forward: begin saves, start holding finished requests' blocks."""
 
-    @abstractmethod
     def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
         """(done_sending, done_recving, failed {request id: reason}) since the last call."""
+        return self.finished.drain()
 
     # ------------------------------------------------------------ both
     @abstractmethod
@@ -195,9 +237,6 @@ class NoOpConnector(KVConnectorBase):
 
     def save_kv(self, meta: KVConnectorMetadata) -> None:
         return None
-
-    def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
-        return set(), set(), {}
 
     def shutdown(self) -> None:
         return None

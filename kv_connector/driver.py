@@ -76,6 +76,10 @@ class SimRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_tokens(self) -> int:
+        return max(len(self.all_token_ids), len(self.prompt_token_ids))
+
 
 def sim_kv_cache(shape: KVShape, num_blocks: int, seed: int) -> Any:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], values in [1, 2)."""

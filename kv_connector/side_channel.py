@@ -9,9 +9,14 @@ connector's I/O thread: ZMQ sockets are not thread-safe, and nothing here ever b
 consumer                                   producer
 Hello(engine id, layout) ────────────────▶ same model and block layout? its transport info
           ◀──────────────── HelloReply     (the consumer checks compatibility again)
+Pin(request id) ─────────────────────────▶ held? keep it past the lease until Release
+          ◀──────────────── HoldReply      (+ checksums taken when the hold began)
 Release(request id) ─────────────────────▶ held? free it (done_sending), else "no longer holds"
-          ◀──────────────── ReleaseReply   (+ checksums taken when the hold began)
+          ◀──────────────── HoldReply
 ```
+
+A pulling consumer (nixl) sends Pin just before it starts reading and Release right after: the
+Pin travels while the bytes move, and the read counts only if the Pin's reply says `held`.
 """
 
 from __future__ import annotations
@@ -52,17 +57,26 @@ class HelloReply(msgspec.Struct, tag="hello_reply", kw_only=True):
 
 class Release(msgspec.Struct, tag="release", kw_only=True):
     request_id: str  # the producer's request id (remote_request_id)
-    want_checksums: bool = False
     loaded: bool = False  # the caller read the blocks (counted in the producer's stats)
 
 
-class ReleaseReply(msgspec.Struct, tag="release_reply", kw_only=True):
-    held: bool  # the producer still held the blocks until this message: data read is valid
+class Pin(msgspec.Struct, tag="pin", kw_only=True):
+    """The consumer starts reading: hold the blocks past the lease until its Release, for at most
+    the producer's timeout_s (a consumer that dies mid-read cannot pin them forever)."""
+
+    request_id: str  # the producer's request id (remote_request_id)
+    want_checksums: bool = False
+
+
+class HoldReply(msgspec.Struct, tag="hold_reply", kw_only=True):
+    """The answer to Pin and Release."""
+
+    held: bool  # the producer held the blocks from request_finished until this message
     error: str | None = None
     checksums: list[int] | None = None  # of all the held blocks, in request order
 
 
-COMMON_MESSAGES: tuple[type, ...] = (Hello, HelloReply, Release, ReleaseReply)
+COMMON_MESSAGES: tuple[type, ...] = (Hello, HelloReply, Pin, Release, HoldReply)
 
 # (engine id, host) → port chosen for it in this process: both roles of one engine resolve the
 # same free port, because they are built from the same config and only the worker binds it.
@@ -270,7 +284,7 @@ def release_remote_kv(params: dict[str, Any], timeout_s: float = 2.0) -> bool:
     )
     if not (host and port and rid):
         return False
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ReleaseReply)
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(HoldReply)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

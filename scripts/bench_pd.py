@@ -95,12 +95,36 @@ def pin(fleet: Fleet, name: str, cpus: set[int]) -> None:
                 pass
 
 
+def plot(rows: dict[str, dict], slo: dict[str, float], path: str) -> None:
+    """TTFT and TPOT CDFs of every request, one line per topology, the SLOs dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("ttft", "tpot"), strict=True):
+        for name, row in rows.items():
+            xs = sorted(r[key] for r in row["requests_raw"])
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        ax.axvline(slo[key], color="grey", linestyle="--", label=f"SLO {slo[key]:g} s")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{key.upper()} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("colocated vs disaggregated: per-request latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def summarize(results: list[dict], args: argparse.Namespace, wall: float) -> dict:
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results]
     good = sum(r["ttft"] <= args.slo_ttft and r["tpot"] <= args.slo_tpot for r in results)
     return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "tpot_p50": pct(tpot, 0.5),
-            "tpot_p99": pct(tpot, 0.99), "goodput_rps": good / wall, "requests": len(results)}
+            "tpot_p99": pct(tpot, 0.99), "goodput_rps": good / wall, "requests": len(results),
+            "good_requests": good, "wall_s": wall, "requests_raw": results}
 
 
 def run(config: str, args: argparse.Namespace, port: int) -> dict:
@@ -137,6 +161,7 @@ def main() -> int:
     p.add_argument("--slo-tpot", type=float, default=0.1)
     p.add_argument("--overhead-n", type=int, default=50)
     p.add_argument("--out", default="bench_pd.json")
+    p.add_argument("--plot", default="bench_pd.png", help="PNG of TTFT/TPOT CDFs ('' = none)")
     args = p.parse_args()
     rows = {"colocated": run("colocated", args, 31000), args.pd_config: run(args.pd_config, args,
                                                                             31100)}
@@ -146,6 +171,9 @@ def main() -> int:
         print(f"{k:<18}" + "".join(f"{rows[n][k]:>14.4f}" for n in rows))
     Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
     print(f"wrote {args.out}")
+    if args.plot:
+        plot(rows, {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -14,10 +14,10 @@ SendRequest(request id, its block ids, tag) ─▶ held? mark busy, queue the se
 recv runs into its blocks ◀══ process group ══ send runs from its blocks; free (done_sending)
 ```
 
-Blocks move as contiguous runs (`contiguous_runs`), in place, when runs are long; scattered
-blocks are packed into 32 MiB messages (per-message overhead dominates small ones). Every
-blocking collective call happens on the pair's own thread with `timeout_s`; a peer that dies
-breaks its pair, fails the loads queued on it, and the next request builds a new pair.
+Blocks move as contiguous runs (`contiguous_runs`): long runs in place, short ones packed into
+staging buffers (pair.py has the message plan and why). Every blocking collective call happens
+on the pair's own thread with `timeout_s`; a peer that dies breaks its pair, fails the loads
+queued on it, and the next request builds a new pair.
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from splitserve.kv_connector.layout import contiguous_runs, set_loopback_env
+from splitserve.kv_connector.nccl.pair import Job, Pair
 from splitserve.kv_connector.p2p import Load, P2PConnectorBase, P2POptions, Peer
 from splitserve.kv_connector.side_channel import Hello, HelloReply
 
@@ -42,10 +40,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-_PACK_BELOW = 1 << 20  # runs shorter than this on average travel packed
-_PACK_CHUNK = 32 << 20  # bytes per packed message
 
 
 class NcclOptions(P2POptions):
@@ -75,155 +69,6 @@ class SendReply(msgspec.Struct, tag="send_reply", kw_only=True):
     checksums: list[int] | None = None
 
 
-@dataclass
-class _Job:
-    send: bool  # send (producer) or recv (consumer)
-    request_id: str
-    runs: list[tuple[int, int, int]]  # (src_start, dst_start, length)
-    tag: int
-    started: float
-
-
-class _Pair(threading.Thread):
-    """One side of a two-rank process group; runs its jobs one at a time."""
-
-    def __init__(
-        self, owner: NcclConnector, pair_id: str, rank: int, store: Any, backend: str
-    ) -> None:
-        super().__init__(daemon=True, name=f"kv-nccl-pair-{pair_id[:8]}-r{rank}")
-        self.owner, self.pair_id, self.rank, self.store, self.backend = (
-            owner,
-            pair_id,
-            rank,
-            store,
-            backend,
-        )
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.broken: str | None = None
-        self._staging: list[torch.Tensor] | None = None  # two packing buffers, made on first use
-
-    def run(self) -> None:
-        from torch.distributed import PrefixStore
-
-        owner = self.owner
-        timeout = datetime.timedelta(seconds=owner.timeout_s)
-        try:
-            if isinstance(self.store, tuple):  # consumer: dial the producer's store
-                from torch.distributed import TCPStore
-
-                host, port = self.store
-                self.store = TCPStore(host, port, 2, False, timeout)
-            prefix = PrefixStore(f"splitserve/kv/{self.pair_id}", self.store)
-            pg = self._make_group(prefix, timeout)
-        except Exception as e:
-            self.broken = f"building the {self.backend} process group failed: {e}"
-            owner._submit("pair_ready", (self, self.broken))
-            return
-        owner._submit("pair_ready", (self, None))
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                break
-            if self.broken is None:
-                try:
-                    self._run(pg, job, timeout)
-                    owner._submit("job_done", (self, job, None))
-                    continue
-                except Exception as e:
-                    self.broken = f"{'send' if job.send else 'recv'} failed: {e}"
-            owner._submit("job_done", (self, job, self.broken))
-        try:
-            pg.abort() if self.broken else pg.shutdown()
-        except Exception:
-            logger.debug("process group teardown failed", exc_info=True)
-
-    def _make_group(self, prefix: Any, timeout: datetime.timedelta) -> Any:
-        import torch.distributed as dist
-
-        if self.backend == "nccl":
-            import torch
-
-            torch.cuda.set_device(self.owner.device)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            return dist.ProcessGroupNCCL(prefix, self.rank, 2, options)
-        return dist.ProcessGroupGloo(prefix, self.rank, 2, timeout)
-
-    def _run(self, pg: Any, job: _Job, timeout: datetime.timedelta) -> None:
-        blocks = self.owner.blocks
-        assert blocks is not None
-        nblocks = sum(n for _, _, n in job.runs)
-        if len(job.runs) > 1 and nblocks * blocks.shape[1] < _PACK_BELOW * len(job.runs):
-            self._run_packed(pg, job, timeout, blocks)
-        else:  # long runs: each one is a contiguous region, sent in place
-            peer = 1 - self.rank
-            works = []
-            for src, dst, n in job.runs:
-                if job.send:
-                    works.append(pg.send([blocks[src : src + n]], peer, job.tag))
-                else:
-                    works.append(pg.recv([blocks[dst : dst + n]], peer, job.tag))
-            for work in works:
-                work.wait(timeout)
-        if self.backend == "nccl":
-            import torch
-
-            torch.cuda.synchronize(self.owner.device)
-
-    def _run_packed(
-        self, pg: Any, job: _Job, timeout: datetime.timedelta, blocks: torch.Tensor
-    ) -> None:
-        """Scattered blocks: gather them into chunks, one message each (per-message overhead
-        dominates small ones), through two reused staging buffers so packing overlaps the wire.
-        Both sides derive the same chunks from the same runs."""
-        import torch
-
-        ids = [(s if job.send else d) + i for s, d, n in job.runs for i in range(n)]
-        per = max(1, _PACK_CHUNK // blocks.shape[1])
-        chunks = [
-            torch.tensor(ids[i : i + per], device=blocks.device) for i in range(0, len(ids), per)
-        ]
-        if self._staging is None or self._staging[0].shape[0] < per:
-            # Reused, so pages are faulted in once (a fresh buffer per chunk costs more than
-            # the copy itself).
-            self._staging = [
-                torch.empty((per, blocks.shape[1]), dtype=torch.uint8, device=blocks.device)
-                for _ in range(2)
-            ]
-        words = _as_words(blocks)  # gather/scatter 8 bytes at a time
-        peer = 1 - self.rank
-        if job.send:
-            previous = None
-            for i, chunk in enumerate(chunks):
-                buf = self._staging[i % 2][: len(chunk)]
-                torch.index_select(words, 0, chunk, out=_as_words(buf))
-                work = pg.send([buf], peer, job.tag)
-                if previous is not None:  # the buffer chunk i + 1 packs into is free again
-                    previous.wait(timeout)
-                previous = work
-            if previous is not None:
-                previous.wait(timeout)
-            return
-        posted = [
-            pg.recv([self._staging[i % 2][: len(c)]], peer, job.tag)
-            for i, c in enumerate(chunks[:2])
-        ]
-        for i, chunk in enumerate(chunks):
-            posted[i].wait(timeout)
-            buf = self._staging[i % 2][: len(chunk)]
-            words.index_copy_(0, chunk, _as_words(buf))
-            if i + 2 < len(chunks):
-                nxt = chunks[i + 2]
-                posted.append(pg.recv([self._staging[i % 2][: len(nxt)]], peer, job.tag))
-
-
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """A [rows, nbytes] uint8 tensor as int64 words when the row size allows (faster copies)."""
-    import torch
-
-    return t.view(torch.int64) if t.shape[1] % 8 == 0 else t
-
-
 class NcclConnector(P2PConnectorBase):
     Options = NcclOptions
     MESSAGES = (SendRequest, SendReply)
@@ -237,8 +82,8 @@ class NcclConnector(P2PConnectorBase):
         if (backend == "nccl") != (kv_cache.device.type == "cuda"):
             raise ValueError(f"backend {backend!r} cannot move a KV cache on {kv_cache.device}")
         self.backend = backend
-        self._pairs: dict[str, _Pair] = {}  # producer side, by pair id
-        self._pair_threads: list[_Pair] = []  # every pair started, both sides: joined at close
+        self._pairs: dict[str, Pair] = {}  # producer side, by pair id
+        self._pair_threads: list[Pair] = []  # every pair started, both sides: joined at close
         self._tags = itertools.count(1)
 
     # ------------------------------------------------------------ producer
@@ -248,7 +93,7 @@ class NcclConnector(P2PConnectorBase):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = TCPStore(self.bind_host, 0, 2, True, timeout, wait_for_workers=False)
         pair_id = uuid.uuid4().hex
-        pair = self._pairs[pair_id] = _Pair(self, pair_id, 0, store, self.backend)
+        pair = self._pairs[pair_id] = Pair(self, pair_id, 0, store, self.backend)
         self._start_pair(pair)
         logger.info("KV pair %s with %s (%s)", pair_id[:8], message.engine_id, self.backend)
         return msgspec.msgpack.encode(
@@ -282,7 +127,7 @@ class NcclConnector(P2PConnectorBase):
             return
         held.busy = True
         src = held.block_ids[message.block_offset : message.block_offset + n]
-        job = _Job(
+        job = Job(
             True,
             message.request_id,
             contiguous_runs(src, message.dst_block_ids),
@@ -303,14 +148,14 @@ class NcclConnector(P2PConnectorBase):
         info = msgspec.msgpack.decode(reply.transport, type=PairInfo)
         if info.backend != self.backend:
             raise ValueError(f"producer uses {info.backend}, this engine {self.backend}")
-        pair = _Pair(self, info.pair_id, 1, (info.store_host, info.store_port), self.backend)
+        pair = Pair(self, info.pair_id, 1, (info.store_host, info.store_port), self.backend)
         peer.transport = pair
         self._start_pair(pair)  # `pair_ready` arrives when the group is built
 
     def _io_begin_load(self, load: Load) -> None:
         pair, spec = load.peer.transport, load.spec
-        assert isinstance(pair, _Pair)
-        tag = next(self._tags) % (1 << 30)
+        assert isinstance(pair, Pair)
+        tag = next(self._tags) % (1 << 24)
         load.state = "asking"
         self._io_call(
             load.peer.address,
@@ -326,7 +171,7 @@ class NcclConnector(P2PConnectorBase):
             lambda e: self._io_fail(load, f"asking the producer to send: {e}"),
         )
 
-    def _io_on_send_reply(self, load: Load, pair: _Pair, tag: int, reply: Any) -> None:
+    def _io_on_send_reply(self, load: Load, pair: Pair, tag: int, reply: Any) -> None:
         if self._loads.get(load.spec.request_id) is not load:
             return
         if not isinstance(reply, SendReply) or not reply.ok:
@@ -337,7 +182,7 @@ class NcclConnector(P2PConnectorBase):
         load.state = "receiving"  # from here on the pair thread writes into our blocks
         load.transport = reply.checksums
         pair.jobs.put(
-            _Job(
+            Job(
                 False,
                 spec.request_id,
                 contiguous_runs(spec.remote_block_ids, spec.local_block_ids),
@@ -377,7 +222,7 @@ class NcclConnector(P2PConnectorBase):
         else:
             super()._io_transport_event(kind, item)
 
-    def _io_sent(self, pair: _Pair, job: _Job, error: str | None) -> None:
+    def _io_sent(self, pair: Pair, job: Job, error: str | None) -> None:
         held = self._held.get(job.request_id)
         if held is not None:
             if error is None:
@@ -394,7 +239,7 @@ class NcclConnector(P2PConnectorBase):
             logger.warning("%s: KV send failed: %s", job.request_id, error)
             self._drop_pair(pair)
 
-    def _io_received(self, pair: _Pair, job: _Job, error: str | None) -> None:
+    def _io_received(self, pair: Pair, job: Job, error: str | None) -> None:
         load = self._loads.get(job.request_id)
         if load is None:
             return
@@ -408,17 +253,17 @@ class NcclConnector(P2PConnectorBase):
         else:
             self._io_land(load, load.transport)
 
-    def _start_pair(self, pair: _Pair) -> None:
+    def _start_pair(self, pair: Pair) -> None:
         self._pair_threads = [p for p in self._pair_threads if p.is_alive()] + [pair]
         pair.start()
 
-    def _drop_pair(self, pair: _Pair) -> None:
+    def _drop_pair(self, pair: Pair) -> None:
         self._pairs.pop(pair.pair_id, None)
         pair.jobs.put(None)
 
     def _io_disconnect(self, peer: Peer) -> None:
         pair = peer.transport
-        if isinstance(pair, _Pair):
+        if isinstance(pair, Pair):
             pair.jobs.put(None)
 
     def _io_close(self) -> None:

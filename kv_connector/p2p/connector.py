@@ -25,6 +25,7 @@ from splitserve.kv_connector.base import (
     KVConnectorRole,
 )
 from splitserve.kv_connector.config import ConnectorOptions, KVTransferConfig
+from splitserve.kv_connector.hugepages import use_huge_pages
 from splitserve.kv_connector.layout import block_bytes, block_checksums
 from splitserve.kv_connector.p2p.consumer import ConsumerSide, Load, Peer
 from splitserve.kv_connector.p2p.messages import P2PMetadata
@@ -75,10 +76,6 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._done_sending: set[str] = set()
-        self._done_recving: set[str] = set()
-        self._failed: dict[str, str] = {}
         # I/O thread only.
         self._held: dict[str, _Held] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()
@@ -90,6 +87,7 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         info = self.engine_info
         self.blocks = block_bytes(kv_cache, info.num_blocks, info.block_nbytes)
+        use_huge_pages(kv_cache)  # before _io_setup registers (pins) the memory
         self._io_setup(kv_cache)
         bind = (self.bind_host, self.port) if self.is_producer else None
         self.channel = SideChannel(COMMON_MESSAGES + self.MESSAGES, bind)
@@ -122,12 +120,6 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
     def save_kv(self, meta: KVConnectorMetadata) -> None:
         """Nothing to push: holds began in start_load_kv, consumers pull."""
 
-    def get_finished(self) -> tuple[set[str], set[str], dict[str, str]]:
-        with self._lock:
-            out = (self._done_sending, self._done_recving, self._failed)
-            self._done_sending, self._done_recving, self._failed = set(), set(), {}
-        return out
-
     def shutdown(self) -> None:
         if self._thread is None:
             return
@@ -151,13 +143,12 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
 
     def _finish(self, request_id: str, *, sent: bool = False, failed: str | None = None) -> None:
         """Report a result to the engine (any thread)."""
-        with self._lock:
-            if sent:
-                self._done_sending.add(request_id)
-            elif failed is not None:
-                self._failed[request_id] = failed
-            else:
-                self._done_recving.add(request_id)
+        if sent:
+            self.finished.sent(request_id)
+        elif failed is not None:
+            self.finished.failed(request_id, failed)
+        else:
+            self.finished.recved(request_id)
 
     # ============================================================ I/O thread
     def _io_run(self) -> None:
@@ -198,12 +189,14 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
             logger.exception("KV connector %s: error in %s", self.engine_id, fn.__name__)
 
     def _io_timeout_ms(self) -> float:
-        busy = self._loads or self._deferred or self._io_busy()
+        """How long the loop may sleep: 1 ms while the transport needs polling (`_io_busy`) or
+        a request waits for its hold, else until the next lease ends and at most 100 ms (call
+        timeouts are checked then). Loads need no polling of their own: replies, inbox items and
+        transport events all wake the loop, and a two-sided transfer gets the cores to itself."""
+        busy = self._deferred or self._io_busy()
         interval = 1.0 if busy else 100.0
-        if self._held:
-            next_expiry = min(h.deadline for h in self._held.values())
-            interval = min(interval, max(0.0, (next_expiry - time.monotonic()) * 1000))
-        return interval
+        wait_ms = (self._io_next_expiry() - time.monotonic()) * 1000
+        return min(interval, max(0.0, wait_ms))
 
     def _io_command(self, kind: str, item: Any) -> None:
         if kind == "hold":
@@ -237,7 +230,8 @@ class P2PConnectorBase(P2PSchedulerSide, ProducerSide, ConsumerSide, KVConnector
 
     @abstractmethod
     def _io_begin_load(self, load: Load) -> None:
-        """Consumer: start moving the load's blocks; end with `_io_confirm`/`_io_land`/`_io_fail`."""
+        """Consumer: start moving the load's blocks; end with `_io_read` (pull, after `_io_pin`),
+        `_io_land` (push) or `_io_fail`."""
 
     def _io_abort_load(self, load: Load) -> None:
         """Consumer: stop whatever the transport is doing for a failed load."""

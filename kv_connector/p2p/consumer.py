@@ -4,13 +4,18 @@
 LoadSpec ─▶ peer known? ──no──▶ Hello ─▶ HelloReply (compatible?) ─▶ transport connect
                │ yes                                                      │
                ▼                                                          ▼
-          _io_begin_load (transport moves the bytes) ─▶ Release ─▶ held=True? ─▶ verify ─▶ done
+          _io_begin_load ─┬─ Pin ──────────────▶ HoldReply(held) ─┐
+                          └─ transport moves the bytes ─▶ Release ─┴─▶ verify ─▶ done
 ```
 
-A consumer trusts what it read only after the producer answers its Release with `held=True`:
-the blocks were held (so unchanged) for the whole transfer. Any failure on the way ends the load
-in `failed` with a reason; a failure of the peer itself fails every load bound to it and drops
-the cached handshake, so the next request starts afresh.
+A pulling consumer (nixl) trusts what it read only when the producer answers its Pin with
+`held=True`: the blocks were held from `request_finished` until the Pin arrived and pinned from
+then until the Release, which is sent after the read; the read's own deadline (`timeout_s` from
+before the Pin was sent) ends before the pin's. Sending the Pin as the read starts, instead of
+asking after it, takes a side-channel round trip off every load. A pushing transport (nccl) has
+the producer mark the hold busy when it accepts the send instead. Any failure on the way ends
+the load in `failed` with a reason; a failure of the peer itself fails every load bound to it
+and drops the cached handshake, so the next request starts afresh.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from splitserve.kv_connector.p2p.messages import LoadSpec
 from splitserve.kv_connector.side_channel import (
     Hello,
     HelloReply,
+    HoldReply,
+    Pin,
     Release,
-    ReleaseReply,
     SideChannel,
 )
 
@@ -57,6 +63,7 @@ class Load:
     nbytes: int
     state: str = "queued"
     transport: Any = None  # the subclass's per-load state
+    pinned: HoldReply | None = None  # the producer's yes to our Pin (pulling transports)
 
 
 class ConsumerSide:
@@ -181,26 +188,42 @@ class ConsumerSide:
             logger.exception("%s: KV load step failed", load.spec.request_id)
             self._io_fail(load, f"{type(e).__name__}: {e}")
 
-    def _io_confirm(self, load: Load) -> None:
-        """The bytes landed: ask the producer whether they were still held, then finish."""
-        load.state = "confirming"
+    def _io_pin(self, load: Load) -> None:
+        """Pulling transports, just before the read starts: ask the producer to keep the blocks
+        until our Release; the reply travels while the bytes move."""
         spec = load.spec
         self._io_call(
             load.peer.address,
-            Release(
-                request_id=spec.remote_request_id, want_checksums=self.config.verify, loaded=True
-            ),
-            lambda r: self._io_on_confirm(load, r),
-            lambda e: self._io_fail(load, f"confirming with the producer: {e}", release=False),
+            Pin(request_id=spec.remote_request_id, want_checksums=self.config.verify),
+            lambda r: self._io_on_pin(load, r),
+            lambda e: self._io_fail(load, f"pinning the producer's blocks: {e}", release=False),
         )
 
-    def _io_on_confirm(self, load: Load, reply: Any) -> None:
-        if not isinstance(reply, ReleaseReply):
+    def _io_on_pin(self, load: Load, reply: Any) -> None:
+        if self._loads.get(load.spec.request_id) is not load:
+            return
+        if not isinstance(reply, HoldReply):
             self._io_fail(load, f"unexpected reply {type(reply).__name__}", release=False)
         elif not reply.held:
             self._io_fail(load, reply.error or "producer no longer holds the blocks", release=False)
         else:
-            self._io_land(load, reply.checksums)
+            load.pinned = reply
+            if load.state == "read":
+                self._io_land(load, reply.checksums)
+
+    def _io_read(self, load: Load) -> None:
+        """Pulling transports: every byte is in. Free the producer's blocks now; land once the
+        Pin is confirmed (it usually is already)."""
+        load.state = "read"
+        spec = load.spec
+        self._io_call(
+            load.peer.address,
+            Release(request_id=spec.remote_request_id, loaded=True),
+            lambda r: None,
+            lambda e: None,
+        )
+        if load.pinned is not None:
+            self._io_land(load, load.pinned.checksums)
 
     def _io_land(self, load: Load, checksums: list[int] | None) -> None:
         """Verify (when asked) and report a load whose bytes are all in place."""

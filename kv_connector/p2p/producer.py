@@ -4,10 +4,12 @@
 request_finished ─▶ HoldSpec ─▶ held (lease clock starts) ─┬─ consumer Release ─▶ done_sending
                                                             └─ lease_s passes    ─▶ done_sending
                                                                 (expired_leases += 1; a later
-                                                                 Release is told "lease expired")
+                                                                 Pin/Release is told "lease expired")
 ```
 
-A Release may reach the producer before its engine has stepped past `request_finished`; it waits
+A consumer's Pin (it is reading now) or a send in progress (nccl) keeps the lease from ending
+under a transfer; a Pin lasts until the Release or `timeout_s`, whichever comes first. A Pin or
+Release may reach the producer before its engine has stepped past `request_finished`; it waits
 (up to `timeout_s`) for the hold to begin instead of being refused.
 """
 
@@ -26,8 +28,9 @@ from splitserve.kv_connector.metrics import KVTransferStats
 from splitserve.kv_connector.side_channel import (
     Hello,
     HelloReply,
+    HoldReply,
+    Pin,
     Release,
-    ReleaseReply,
     SideChannel,
 )
 
@@ -44,7 +47,12 @@ class _Held:
     block_ids: list[int]
     deadline: float
     checksums: list[int] | None
-    busy: bool = False  # a transfer reads the blocks now: the lease cannot end under it
+    busy: bool = False  # this producer sends them now (nccl): the lease cannot end under it
+    pinned_until: float = 0.0  # a consumer reads them (Pin): the lease ends no earlier
+
+    def expires_at(self) -> float:
+        """When the lease may end (infinity while a send runs)."""
+        return float("inf") if self.busy else max(self.deadline, self.pinned_until)
 
 
 @dataclass
@@ -103,21 +111,26 @@ class ProducerSide:
                     logger.exception("KV handshake from %s failed", message.engine_id)
                     reply.error = f"producer {self.engine_id} handshake failed: {e}"
             self.channel.reply(identity, seq, reply)
-        elif isinstance(message, Release):
+        elif isinstance(message, (Pin, Release)):
             held = self._io_lookup(identity, seq, message)
             if isinstance(held, str):
-                self.channel.reply(identity, seq, ReleaseReply(held=False, error=held))
+                self.channel.reply(identity, seq, HoldReply(held=False, error=held))
             elif held is not None:
-                sums = self._io_checksums(held) if message.want_checksums else None
-                if message.loaded:
-                    nbytes = len(held.block_ids) * self.engine_info.block_nbytes
-                    self.stats.bytes_saved += nbytes
-                    self.stats.blocks_saved += len(held.block_ids)
-                if not held.busy:
-                    self._io_unhold(message.request_id, "released")
-                self.channel.reply(identity, seq, ReleaseReply(held=True, checksums=sums))
+                self.channel.reply(identity, seq, self._io_pin_or_release(held, message))
         else:
             self._io_other_request(identity, seq, message)
+
+    def _io_pin_or_release(self, held: _Held, message: Pin | Release) -> HoldReply:
+        if isinstance(message, Pin):
+            held.pinned_until = time.monotonic() + self.timeout_s
+            sums = self._io_checksums(held) if message.want_checksums else None
+            return HoldReply(held=True, checksums=sums)
+        if message.loaded:
+            self.stats.bytes_saved += len(held.block_ids) * self.engine_info.block_nbytes
+            self.stats.blocks_saved += len(held.block_ids)
+        if not held.busy:
+            self._io_unhold(message.request_id, "released")
+        return HoldReply(held=True)
 
     def _io_lookup(self, identity: bytes, seq: bytes, message: Any) -> _Held | str | None:
         """The hold a request names; a reason string when it is gone; None when deferred."""
@@ -147,7 +160,7 @@ class ProducerSide:
     def _io_expire(self, now: float) -> None:
         assert self.channel is not None
         for rid, held in list(self._held.items()):
-            if held.deadline <= now and not held.busy:
+            if held.expires_at() <= now:
                 self.stats.expired_leases += 1
                 logger.warning(
                     "%s: lease of %d blocks expired before the consumer was done",
@@ -162,7 +175,13 @@ class ProducerSide:
 
     def _io_refusal(self, message: Any, reason: str) -> Any:
         """The negative reply to a deferred request that timed out."""
-        return ReleaseReply(held=False, error=reason)
+        return HoldReply(held=False, error=reason)
+
+    def _io_next_expiry(self) -> float:
+        """Monotonic time of the next lease or deferred request to end (infinity: none)."""
+        times = [h.expires_at() for h in self._held.values()]
+        times.extend(d.deadline for d in self._deferred)
+        return min(times, default=float("inf"))
 
     def _io_take_hold(
         self, request_id: str, block_ids: list[int], lease_s: float, checksums: list[int] | None

@@ -61,7 +61,9 @@ class P2PSchedulerSide:
             )
             return 0, False
         rid = request.request_id
-        loadable = request.num_prompt_tokens - 1  # the last prompt token is computed here
+        # Everything but the newest token is loadable: on a decode instance that is the whole
+        # prompt the producer computed, and t0 (prior output) is the first token run here.
+        loadable = request.num_tokens - 1
         try:
             remote = self._parse_remote(params)
         except ValueError as e:
@@ -80,9 +82,14 @@ class P2PSchedulerSide:
 
     def _release(self, rid: str, remote: RemotePrefill) -> None:
         """Queue a "done, free your blocks" for the producer without loading anything."""
-        self._meta.releases.append(ReleaseSpec(
-            request_id=rid, remote_request_id=remote.remote_request_id,
-            remote_host=remote.remote_host, remote_port=remote.remote_port))
+        self._meta.releases.append(
+            ReleaseSpec(
+                request_id=rid,
+                remote_request_id=remote.remote_request_id,
+                remote_host=remote.remote_host,
+                remote_port=remote.remote_port,
+            )
+        )
 
     def _parse_remote(self, params: dict[str, Any]) -> RemotePrefill:
         try:

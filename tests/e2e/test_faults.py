@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, PROMPTS, start_fleet, wait_all_blocks_free
+from fleet_helpers import MODEL_NAME, PROMPTS, start_fleet, wait_all_blocks_free
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import concurrent.futures as cf
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, PROMPTS, start_fleet, wait_all_blocks_free
+from fleet_helpers import MODEL_NAME, PROMPTS, start_fleet, wait_all_blocks_free
 
 CONFIGS = ["colocated", "1p1d-nixl", "1p1d-redis", "1p1d-nccl", "2p2d-nixl", "2p1d-redis"]
 SEEDED: dict[str, list[str]] = {}

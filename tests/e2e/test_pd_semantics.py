@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, start_fleet, wait_all_blocks_free
+from fleet_helpers import MODEL_NAME, start_fleet, wait_all_blocks_free
 
 PROMPT = "import os\nimport sys\n"
 

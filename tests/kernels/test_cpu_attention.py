@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOLERANCES, make_paged_kv
 from testutil import tiny_model_dir
 
 from splitserve import LLM, SamplingParams
@@ -35,10 +34,10 @@ def test_kernels_build():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-bs{c[1]}-q{c[2]}kv{c[3]}-{c[4]}")
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_decode_matches_reference(case, table_dtype):
+def test_decode_matches_reference(case, table_dtype, paged_kv, tolerances):
     head_dim, block_size, hq, hkv, dtype = case
     gen = torch.Generator().manual_seed(7)
-    kv = make_paged_kv(SEQ_LENS, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim,
+    kv = paged_kv(SEQ_LENS, block_size=block_size, num_kv_heads=hkv, head_dim=head_dim,
                        dtype=dtype, device=torch.device("cpu"), gen=gen)
     q = torch.randn(len(SEQ_LENS), hq, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
@@ -47,14 +46,14 @@ def test_decode_matches_reference(case, table_dtype):
     out = torch.full_like(q, float("nan"))  # every row must be written, padding included
     cpu.paged_decode_attention(q, kv.k_cache, kv.v_cache, tables, seq_lens, scale, out=out)
     ref = ref_paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, seq_lens, scale)
-    torch.testing.assert_close(out, ref, **TOLERANCES[dtype])
+    torch.testing.assert_close(out, ref, **tolerances[dtype])
     assert out[SEQ_LENS.index(0)].eq(0).all()
 
 
-def test_decode_ignores_cache_past_seq_len():
+def test_decode_ignores_cache_past_seq_len(paged_kv):
     """Poison every slot past each sequence's length: the output must not change."""
     gen = torch.Generator().manual_seed(3)
-    kv = make_paged_kv([5, 20], block_size=16, num_kv_heads=2, head_dim=32, dtype=F32,
+    kv = paged_kv([5, 20], block_size=16, num_kv_heads=2, head_dim=32, dtype=F32,
                        device=torch.device("cpu"), gen=gen)
     q = torch.randn(2, 4, 32, generator=gen)
     lens = torch.tensor([5, 20], dtype=torch.int32)

@@ -47,6 +47,7 @@ class _Host:
         sampling: dict[str, Any],
         kv_transfer_params: list[dict[str, Any] | None] | None,
         timeout_s: float = 40.0,
+        num_prior_output_tokens: int = 0,
     ) -> list[dict[str, Any]]:
         """`LLM.generate`, bounded: past `timeout_s` it raises TimeoutError between two engine
         steps (LLM.generate then aborts its requests) and steps until the aborted requests'
@@ -65,7 +66,10 @@ class _Host:
         engine.step = bounded_step
         try:
             outs = llm.generate(
-                [{"prompt_token_ids": p} for p in prompts],
+                [
+                    {"prompt_token_ids": p, "num_prior_output_tokens": num_prior_output_tokens}
+                    for p in prompts
+                ],
                 SamplingParams(**sampling),
                 use_tqdm=False,
                 kv_transfer_params=kv_transfer_params,

@@ -10,7 +10,14 @@ import pytest
 from kvc_helpers import nixl_missing
 
 from splitserve.kv_connector.driver import PRESETS, KVShape, SimEngine
-from splitserve.kv_connector.side_channel import release_remote_kv
+from splitserve.kv_connector.side_channel import (
+    COMMON_MESSAGES,
+    HoldReply,
+    Pin,
+    Release,
+    SideChannel,
+    release_remote_kv,
+)
 
 SHAPE = PRESETS["tiny"]
 
@@ -71,6 +78,51 @@ def test_release_remote_kv_frees_held_blocks_early(producer: SimEngine) -> None:
     assert held == {"r1": True}
     assert len(producer.free) == 32
     assert release_remote_kv(params, timeout_s=2) is False  # already released
+
+
+def _ask(producer: SimEngine, params: dict, message: object) -> HoldReply:
+    """One side-channel call to the producer, stepping it until the reply comes."""
+    channel = SideChannel(COMMON_MESSAGES, None)
+    replies: list = []
+
+    def answered() -> bool:
+        channel.dispatch_replies(channel.poll(1))
+        return bool(replies)
+
+    try:
+        address = f"tcp://{params['remote_host']}:{params['remote_port']}"
+        channel.call(address, message, replies.append, replies.append, 5.0)
+        _step_until([producer], answered)
+    finally:
+        channel.close()
+    assert isinstance(replies[0], HoldReply), replies
+    return replies[0]
+
+
+def test_pin_keeps_blocks_past_the_lease(producer: SimEngine) -> None:
+    """A consumer reading (Pin) outlives the lease: the blocks stay until its Release; a pin
+    whose Release never comes ends after timeout_s (2 s here) and the lease with it."""
+    rid = "pinned"
+    params = producer.prefill(rid, list(range(40)), {"do_remote_decode": True, "lease_s": 0.2})
+    params = params["params"]
+    pinned = _ask(producer, params, Pin(request_id=rid, want_checksums=True))
+    assert pinned.held and pinned.checksums is not None and len(pinned.checksums) == 3
+    time.sleep(0.4)
+    producer.step()
+    producer.step()
+    assert rid not in producer.done_sending  # the lease is over, the pin is not
+    assert _ask(producer, params, Release(request_id=rid, loaded=True)).held
+    _step_until([producer], lambda: rid in producer.done_sending)
+    assert producer.worker.stats.expired_leases == 0
+
+    rid = "abandoned"
+    params = producer.prefill(rid, list(range(40)), {"do_remote_decode": True, "lease_s": 0.2})
+    assert _ask(producer, params["params"], Pin(request_id=rid)).held
+    _step_until([producer], lambda: rid in producer.done_sending, timeout=10)
+    assert producer.worker.stats.expired_leases == 1
+    late = _ask(producer, params["params"], Pin(request_id=rid))
+    assert not late.held and "lease expired" in (late.error or "")
+    assert len(producer.free) == 32
 
 
 def test_model_mismatch_fails_the_load_with_a_reason(connector: str, producer: SimEngine) -> None:
