@@ -175,12 +175,45 @@ class CpuAttentionBackend(TorchAttentionBackend):
     order of magnitude faster, and SDPA accumulates in fp32 either way.
     """
 
+    def _prefill(self, q, k, v, kv_cache, layer, meta, s):
+        """A chunk after cached context: attend to the cached prefix (no mask) and to the chunk
+        itself (causal) separately, then merge the two by their log-sum-exp.
+
+        One SDPA call over the whole context needs an explicit [query, context] mask, which
+        sends CPU flash attention down its masked path: with 2048 queries over 2600 positions
+        that took 131 ms against 71 ms split in two (head_dim 32, one thread). The chunk's own
+        K/V are used as computed; only the prefix is gathered from the cache.
+        """
+        query_len, seq_len = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
+        if query_len == seq_len:
+            return super()._prefill(q, k, v, kv_cache, layer, meta, s)
+        cached = seq_len - query_len
+        table = meta.block_tables[s, : -(-cached // self.block_size)]
+        keys = self._gather(kv_cache, layer, table, 0)[:cached]
+        values = self._gather(kv_cache, layer, table, 1)[:cached]
+        qh = q.transpose(0, 1)[None]
+        o_pre, lse_pre = _flash_cpu(qh, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                    False, scale=self.scale)
+        o_new, lse_new = _flash_cpu(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None], True,
+                                    scale=self.scale)
+        # softmax over both parts = each part's softmax weighted by its share of the total mass
+        w_pre = torch.sigmoid(lse_pre - lse_new)[..., None]  # [1, Hq, query_len, 1]
+        o = torch.lerp(o_new.float(), o_pre.float(), w_pre)
+        return o[0].transpose(0, 1).to(q.dtype)
+
     def _decode(self, q, kv_cache, layer, meta):
         from splitserve.kernels import cpu
 
         return cpu.paged_decode_attention(q, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
                                           meta.block_tables[: q.shape[0]],
                                           meta.seq_lens[: q.shape[0]], self.scale)
+
+
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    """PyTorch's CPU flash attention, which returns the log-sum-exp the public SDPA drops.
+    [1, H, L, D] layout; GQA by head broadcast (Hq a multiple of Hkv); lse is fp32 [1, Hq, Lq]."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                      scale=scale)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -79,7 +79,8 @@ def test_decode_rejects_bad_layout():
 
 
 def test_engine_cpu_backend_equals_torch_backend():
-    """Greedy tokens through the whole engine (fp32): C++ decode kernel vs the PyTorch gather path.
+    """Greedy tokens through the whole engine (fp32): C++ decode kernel and split prefix/chunk
+    prefill attention vs the PyTorch gather path with one masked SDPA.
 
     A 24-token budget forces chunked prefill over a cached prefix; prompts cover 1 token, one
     block and several blocks, decoded across block boundaries. (bf16 is checked at the kernel
