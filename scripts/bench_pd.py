@@ -107,7 +107,7 @@ def plot(rows: dict[str, dict], slo: dict[str, float], path: str) -> None:
         for name, row in rows.items():
             xs = sorted(r[key] for r in row["requests_raw"])
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-        ax.axvline(slo[key], color="grey", linestyle="--", label=f"SLO {slo[key]:g} s")
+        ax.axvline(slo[key], color="grey", linestyle="--", label=f"SLO {slo[key]:.3g} s")
         ax.set_xscale("log")
         ax.set_xlabel(f"{key.upper()} (s)")
         ax.set_ylabel("fraction of requests")
@@ -118,13 +118,30 @@ def plot(rows: dict[str, dict], slo: dict[str, float], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def summarize(results: list[dict], args: argparse.Namespace, wall: float) -> dict:
+def summarize(results: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results]
-    good = sum(r["ttft"] <= args.slo_ttft and r["tpot"] <= args.slo_tpot for r in results)
     return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "tpot_p50": pct(tpot, 0.5),
-            "tpot_p99": pct(tpot, 0.99), "goodput_rps": good / wall, "requests": len(results),
-            "good_requests": good, "wall_s": wall, "requests_raw": results}
+            "tpot_p99": pct(tpot, 0.99), "requests": len(results), "wall_s": wall,
+            "requests_raw": results}
+
+
+def goodput(row: dict, slo: dict[str, float]) -> tuple[int, float]:
+    """Requests meeting both SLOs, and those per second of the run."""
+    good = sum(r["ttft"] <= slo["ttft"] and r["tpot"] <= slo["tpot"] for r in row["requests_raw"])
+    return good, good / row["wall_s"]
+
+
+async def unloaded(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """Latency without interference, the yardstick of `--slo-scale`: the decoder streams alone
+    (TPOT p50) and one long prompt alone (TTFT)."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one(client, url, "warm-up", 8)
+        streams = await asyncio.gather(*(one(client, url, f"alone {i}:", args.decode_tokens)
+                                         for i in range(args.decoders)))
+        long_prompt = "The quick brown fox jumps over the lazy dog. " * args.long_repeat
+        alone = await one(client, url, f"alone {long_prompt}", 16)
+    return {"tpot": statistics.median(r["tpot"] for r in streams), "ttft": alone["ttft"]}
 
 
 def run(config: str, args: argparse.Namespace, port: int) -> dict:
@@ -140,9 +157,12 @@ def run(config: str, args: argparse.Namespace, port: int) -> dict:
             cpus = sorted(os.sched_getaffinity(0))
             pin(fleet, "prefill-0", {cpus[0]})
             pin(fleet, "decode-0", {cpus[-1]})
+        base = asyncio.run(unloaded(fleet.url, args)) if config == "colocated" else None
         t = time.perf_counter()
         results = asyncio.run(workload(fleet.url, args))
-        out = summarize(results, args, time.perf_counter() - t)
+        out = summarize(results, time.perf_counter() - t)
+        if base is not None:
+            out["unloaded"] = base
         instance = fleet_cfg.instances()[-1][2]
         out.update(asyncio.run(overhead(fleet.url, instance, args.overhead_n)))
     return out
@@ -155,24 +175,40 @@ def main() -> int:
     p.add_argument("--decoders", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--long", type=int, default=8)
-    p.add_argument("--long-repeat", type=int, default=150, help="long prompt ≈ 10×this tokens")
+    p.add_argument("--long-repeat", type=int, default=150,
+                   help="long prompt ≈ 20×this tokens (tiny model's tokenizer)")
     p.add_argument("--gap", type=float, default=0.5)
-    p.add_argument("--slo-ttft", type=float, default=2.0)
-    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    p.add_argument("--slo-scale", type=float, help="SLOs = this × the unloaded colocated TTFT "
+                   "of one long prompt and TPOT of the decoders (overrides --slo-ttft/-tpot)")
     p.add_argument("--overhead-n", type=int, default=50)
     p.add_argument("--out", default="bench_pd.json")
     p.add_argument("--plot", default="bench_pd.png", help="PNG of TTFT/TPOT CDFs ('' = none)")
     args = p.parse_args()
     rows = {"colocated": run("colocated", args, 31000), args.pd_config: run(args.pd_config, args,
                                                                             31100)}
+    base = rows["colocated"]["unloaded"]
+    slo = {"ttft": args.slo_ttft, "tpot": args.slo_tpot}
+    if args.slo_scale:
+        slo = {k: args.slo_scale * v for k, v in base.items()}
+    for row in rows.values():
+        row["good_requests"], row["goodput_rps"] = goodput(row, slo)
     keys = ["ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_rps", "overhead_p50_ms"]
+    print(f"unloaded (colocated): TTFT {base['ttft']:.3f} s, TPOT {base['tpot']:.4f} s; "
+          f"SLO: TTFT <= {slo['ttft']:.3f} s, TPOT <= {slo['tpot']:.4f} s")
     print(f"{'metric':<18}" + "".join(f"{name:>14}" for name in rows))
     for k in keys:
         print(f"{k:<18}" + "".join(f"{rows[n][k]:>14.4f}" for n in rows))
-    Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    print("goodput (req/s) by SLO scale × unloaded:")
+    for scale in (1.5, 2, 3, 5, 10):
+        scaled = {k: scale * v for k, v in base.items()}
+        print(f"  {scale:>4}x" + "".join(f"{goodput(rows[n], scaled)[1]:>14.2f}" for n in rows))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "slo": slo, "results": rows},
+                                         indent=2))
     print(f"wrote {args.out}")
     if args.plot:
-        plot(rows, {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, args.plot)
+        plot(rows, slo, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
