@@ -84,13 +84,31 @@ class CacheConfig(_Frozen):
 class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=256, gt=0)
     """Most requests in one batch."""
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
-    """Token budget of one step; prompts longer than the budget are chunked."""
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    """Token budget of one step; prompts longer than the budget are chunked. Unset: 2048 on
+    CUDA, 1024 on CPU (see `token_budget`)."""
     policy: Literal["fcfs", "priority"] = "fcfs"
     """Waiting-queue order; `priority`: lower value first, then arrival."""
     enable_chunked_prefill: bool = True
     max_waiting: int = Field(default=4096, gt=0)
     """Bound of the waiting queue; the server answers 503 past it."""
+
+
+    def token_budget(self, device_type: str, max_model_len: int) -> int:
+        """The step budget for this device when none was set.
+
+        On CPU a step's GEMMs already run near peak at 1024 tokens, and a smaller budget lets a
+        burst of new prompts reach their first token sooner while the batch keeps decoding:
+        serving the tiny model at 64 concurrent requests here, 1024 against 2048 gave TTFT p50
+        319–461 vs 431–726 ms at the same throughput (1707–1793 vs 1698–1755 tok/s, three runs
+        each). GPUs want larger GEMMs. Without chunked prefill a whole prompt must fit.
+        """
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if device_type == "cuda" else 1024
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return budget
 
 
 class EngineConfig(_Frozen):
@@ -114,7 +132,9 @@ class EngineConfig(_Frozen):
     def _check_budget(self) -> EngineConfig:
         s = self.scheduler
         if not s.enable_chunked_prefill and self.model.max_model_len is not None:
-            if s.max_num_batched_tokens < self.model.max_model_len:
+            if s.max_num_batched_tokens is not None and (
+                s.max_num_batched_tokens < self.model.max_model_len
+            ):
                 raise ValueError(
                     "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                     "when chunked prefill is disabled"

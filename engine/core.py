@@ -70,7 +70,7 @@ class EngineCore:
         self.connector_worker = create_connector(config.kv_transfer, KVConnectorRole.WORKER, info)
         self.connector_worker.register_kv_caches(self.model_runner.kv_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   self.connector_scheduler)
+                                   self.connector_scheduler, self.model_runner.device.type)
         self.num_steps = 0
 
     def _max_model_len(self) -> int:

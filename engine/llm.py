@@ -23,7 +23,7 @@ class LLM:
 
     Keyword arguments are the fields of EngineConfig's sections, flat as in vLLM:
     `LLM(model=DIR, dtype="auto", block_size=16, kv_cache_memory="512MiB", max_num_seqs=256,
-    max_num_batched_tokens=2048, enable_prefix_caching=True, max_model_len=None, ...)`.
+    max_num_batched_tokens=None, enable_prefix_caching=True, max_model_len=None, ...)`.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

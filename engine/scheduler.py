@@ -46,8 +46,9 @@ class ModelRunnerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, connector: Any) -> None:
+                 max_model_len: int, connector: Any, device_type: str = "cpu") -> None:
         self.config = config
+        self.token_budget = config.token_budget(device_type, max_model_len)
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.connector = connector  # scheduler-side KV connector (no-op when transfer is off)
@@ -101,7 +102,7 @@ class Scheduler:
         transfer never stalls the batch.
         """
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         budget = self._schedule_running(out, budget)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)

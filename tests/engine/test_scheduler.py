@@ -140,3 +140,16 @@ def test_abort_frees_blocks_in_every_state():
     s.abort_requests(["run", "wait", "unknown"])
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 64 and s.requests == {}
+
+
+def test_unset_token_budget_depends_on_the_device():
+    """Unset: 1024 on CPU, 2048 on CUDA; a whole prompt without chunked prefill; a set value wins."""
+    unset = SchedulerConfig()
+    assert unset.token_budget("cpu", 4096) == 1024
+    assert unset.token_budget("cuda", 4096) == 2048
+    assert SchedulerConfig(enable_chunked_prefill=False).token_budget("cpu", 4096) == 4096
+    assert SchedulerConfig(max_num_batched_tokens=64).token_budget("cuda", 4096) == 64
+    s = make_scheduler(num_blocks=256, max_model_len=4096)  # CPU: 2000 tokens take two steps
+    s.add_request(make_request("a", list(range(2000))))
+    out, _ = step(s)
+    assert [sr.num_tokens for sr in out.scheduled] == [1024]
