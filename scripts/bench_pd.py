@@ -51,14 +51,18 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int)
             "latency": end - start}
 
 
+def long_prompt(args: argparse.Namespace) -> str:
+    """The long prompts' text (each gets a distinct first word: no prefix-cache hits)."""
+    return "The quick brown fox jumps over the lazy dog. " * args.long_repeat
+
+
 async def workload(url: str, args: argparse.Namespace) -> list[dict]:
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.create_task(one(client, url, f"story {i}:", args.decode_tokens))
                  for i in range(args.decoders)]
         await asyncio.sleep(1.0)
-        long_prompt = "The quick brown fox jumps over the lazy dog. " * args.long_repeat
         for i in range(args.long):
-            tasks.append(asyncio.create_task(one(client, url, f"{i} {long_prompt}", 16)))
+            tasks.append(asyncio.create_task(one(client, url, f"{i} {long_prompt(args)}", 16)))
             await asyncio.sleep(args.gap)
         return await asyncio.gather(*tasks)
 
@@ -139,8 +143,7 @@ async def unloaded(url: str, args: argparse.Namespace) -> dict[str, float]:
         await one(client, url, "warm-up", 8)
         streams = await asyncio.gather(*(one(client, url, f"alone {i}:", args.decode_tokens)
                                          for i in range(args.decoders)))
-        long_prompt = "The quick brown fox jumps over the lazy dog. " * args.long_repeat
-        alone = await one(client, url, f"alone {long_prompt}", 16)
+        alone = await one(client, url, f"alone {long_prompt(args)}", 16)
     return {"tpot": statistics.median(r["tpot"] for r in streams), "ttft": alone["ttft"]}
 
 
