@@ -65,12 +65,24 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FrontDo
     app = FastAPI(title="splitserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
+    endpoints = _completion_endpoints(config.max_body_bytes, proxy, metrics)
+    for path, endpoint in endpoints.items():
+        # Served by the front door; listed here too, so other methods get FastAPI's 405.
+        app.add_route(path, endpoint, methods=["POST"])
+    _add_fleet_routes(app, client, registry, proxy, metrics)
+    _add_register_routes(app, registry)
+    return FrontDoor(app, config.api_key, config.max_body_bytes, endpoints)
+
+
+def _completion_endpoints(max_body_bytes: int, proxy: FleetProxy, metrics: RouterMetrics
+                          ) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """The hot path: `/v1/completions` and `/v1/chat/completions` through the fleet proxy."""
 
     async def handle(request: Request, model: type[BaseModel], chat: bool) -> Response:
         started = time.perf_counter()
         raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            return error_response(413, f"request body larger than {config.max_body_bytes} "
+        if len(raw) > max_body_bytes:
+            return error_response(413, f"request body larger than {max_body_bytes} "
                                   "bytes (router.max_body_bytes)", "request_too_large")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         colocated = proxy.colocated
@@ -89,9 +101,12 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FrontDo
     async def chat_completions(request: Request) -> Response:
         return await handle(request, ChatCompletionRequest, chat=True)
 
-    # Served by the front door; listed here too, so other methods get FastAPI's 405.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    return {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+
+
+def _add_fleet_routes(app: FastAPI, client: UpstreamClient, registry: InstanceRegistry,
+                      proxy: FleetProxy, metrics: RouterMetrics) -> None:
+    """`GET /v1/models` (from a healthy instance), `/health` and `/metrics` (the router's)."""
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -119,6 +134,10 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FrontDo
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_register_routes(app: FastAPI, registry: InstanceRegistry) -> None:
+    """`POST /register` and `DELETE /register` (`{"url", "role"}`): instances joining and leaving."""
+
     @app.post("/register")
     async def register(request: Request) -> Response:
         url, role, err = await _url_role(request)
@@ -137,9 +156,6 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FrontDo
             return error_response(404, f"instance {url!r} is not registered", "not_found",
                                   param="url")
         return JSONResponse({"url": url, "removed": True})
-
-    return FrontDoor(app, config.api_key, config.max_body_bytes,
-                     {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
 
 
 class FrontDoor:

@@ -12,7 +12,9 @@ the baseline is the fastest plain copy, not a 4 KiB-page one.
     python scripts/bench_transfer.py --connectors nixl --presets small --blocks 512
 
 Prints a table, writes JSON (and a PNG when matplotlib is installed) under bench_results/.
-Redis: a private redis-server is started on a free port unless --redis-url is given.
+Redis: a private redis-server is started on a free port (and a unix socket) unless --redis-url
+is given; `--redis-transport tcp,unix` measures the connector over both (rows `redis` and
+`redis-unix`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,8 @@ class Copier:
 
 
 class RedisProcess:
+    """A private redis-server on a free TCP port and a unix socket (`urls` by transport)."""
+
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -72,7 +77,10 @@ class RedisProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self._dir = tempfile.TemporaryDirectory(prefix="bench-redis-")
+        path = f"{self._dir.name}/redis.sock"
+        self.urls = {"tcp": f"redis://127.0.0.1:{port}/0", "unix": f"unix://{path}"}
+        self.url = self.urls["tcp"]
         self.process = subprocess.Popen(
             [
                 binary,
@@ -86,6 +94,10 @@ class RedisProcess:
                 "no",
                 "--maxmemory",
                 "0",
+                "--unixsocket",
+                path,
+                "--unixsocketperm",
+                "700",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -109,6 +121,7 @@ class RedisProcess:
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
+        self._dir.cleanup()
 
 
 def bench_one(
@@ -211,6 +224,11 @@ def main() -> None:
         help="block ids as a fresh allocation (runs) or shuffled (one per block)",
     )
     ap.add_argument("--redis-url", default=None, help="use this server instead of a private one")
+    ap.add_argument(
+        "--redis-transport",
+        default="tcp",
+        help="private server only: tcp, unix or tcp,unix (a unix-socket URL, same server)",
+    )
     ap.add_argument("--out", default="bench_results/bench_transfer.json")
     args = ap.parse_args()
 
@@ -222,25 +240,41 @@ def main() -> None:
         except RuntimeError as e:
             print(f"skipping redis: {e}")
             connectors.remove("redis")
-    redis_url = args.redis_url or (redis.url if redis else None)
     layouts = {"both": [False, True], "contiguous": [False], "scattered": [True]}[args.layout]
     rows: list[dict[str, Any]] = []
     try:
         for preset in args.presets.split(","):
             for dtype in args.dtypes.split(","):
-                for connector in connectors:
+                for connector, label, url in _variants(connectors, redis, args):
                     for scattered in layouts:
                         if redis is not None:
                             redis.flush()
                         for row in bench_one(
-                            connector, preset, dtype, args.mib, args.repeats, scattered, redis_url
+                            connector, preset, dtype, args.mib, args.repeats, scattered, url
                         ):
-                            rows.append(row)
-                            _print_row(row, header=len(rows) == 1)
+                            rows.append({**row, "connector": label})
+                            _print_row(rows[-1], header=len(rows) == 1)
     finally:
         if redis is not None:
             redis.stop()
     _write(rows, Path(args.out))
+
+
+def _variants(
+    connectors: list[str], redis: RedisProcess | None, args: argparse.Namespace
+) -> list[tuple[str, str, str | None]]:
+    """(connector, row label, redis URL) per measured variant: redis once per transport."""
+    out: list[tuple[str, str, str | None]] = []
+    for connector in connectors:
+        if connector != "redis":
+            out.append((connector, connector, None))
+        elif redis is None:
+            out.append(("redis", "redis", args.redis_url))
+        else:
+            for transport in args.redis_transport.split(","):
+                label = "redis" if transport == "tcp" else f"redis-{transport}"
+                out.append(("redis", label, redis.urls[transport]))
+    return out
 
 
 def _print_row(row: dict[str, Any], header: bool) -> None:
@@ -258,7 +292,7 @@ def _print_row(row: dict[str, Any], header: bool) -> None:
         "ratio",
         "target",
     )
-    widths = (9, 4, 5, 8, 10, 6, 7, 9, 6, 9, 5, 6)
+    widths = (10, 4, 5, 8, 10, 6, 7, 9, 6, 9, 5, 6)
     if header:
         print(" ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
     target = row["target"]

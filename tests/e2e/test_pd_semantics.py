@@ -260,3 +260,18 @@ def test_a_bad_prompt_in_a_batch_fails_it_like_an_instance(fleets):
     assert answers[0].json() == answers[1].json()
     for fleet in fleets.values():
         wait_all_blocks_free(fleet)
+
+
+def test_cached_tokens_are_the_prefill_instances_prefix_hits(fleets):
+    """`usage.prompt_tokens_details.cached_tokens` through P/D is P's prefix-cache hit, as
+    colocated: a repeated prompt reports its cached full blocks, a fresh one 0 (the KV that D
+    loads from P is a transfer, not a cache hit)."""
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]  # token ids: 2 full blocks of 16 and 8 more
+    for name in ("colocated", "1p1d-nixl"):
+        cached = []
+        for _ in range(2):
+            answer = _client(fleets[name]).completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached == [0, 32], name
+        wait_all_blocks_free(fleets[name])
