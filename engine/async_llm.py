@@ -95,6 +95,11 @@ class AsyncLLM:
         return self.info.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        assert self.info is not None
+        return self.info.vocab_size
+
+    @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 

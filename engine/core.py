@@ -95,6 +95,10 @@ class EngineCore:
         bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} out of range [0, {vocab})")
+        bad = req.sampling_params.token_ids_out_of(vocab)
+        if bad is not None:
+            raise ValueError(f"token id {bad} in logit_bias or allowed_token_ids is out of range "
+                             f"[0, {vocab})")
         req.check_prior_output()
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, NonNegativeInt, field_validator
+from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 
 from splitserve.engine.protocol_responses import (
     ChatCompletionChoice,
@@ -72,6 +72,7 @@ __all__ = [
     "OpenAIModel",
     "PromptTokensDetails",
     "ResponseBase",
+    "ResponseFormatSpec",
     "SamplingFields",
     "StreamOptions",
     "TextContentPart",
@@ -87,6 +88,10 @@ class StreamOptions(OpenAIModel):
     """Send one last chunk with `usage` (and no choices) before `[DONE]`."""
     continuous_usage_stats: bool = False
     """vLLM: put the running `usage` on every chunk."""
+
+
+class ResponseFormatSpec(OpenAIModel):
+    type: Literal["text"]
 
 
 class SamplingFields(OpenAIModel):
@@ -109,6 +114,15 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     n: Literal[1] = 1
     """Only one choice per prompt is generated."""
+    best_of: Literal[1] | None = None
+    """Only one candidate per prompt is generated."""
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    """Token id (a JSON string key, as OpenAI sends it) → added to its logit before sampling."""
+    allowed_token_ids: TokenIds | None = Field(default=None, min_length=1)
+    """Sample only among these tokens (vLLM)."""
+    response_format: ResponseFormatSpec | None = None
+    """Only plain text: structured output (`json_object`, `json_schema`) is refused with a 400
+    rather than ignored, since a client asking for JSON must not get free text silently."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
@@ -230,6 +244,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        """Tool calls need a tool-call parser, which this server does not have: refuse them
+        (400) instead of answering in free text; tools with `tool_choice: "none"` are ignored."""
+        if info.data.get("tools") and v != "none":
+            raise ValueError("tool calling is not supported by this server; with tools, send "
+                             "tool_choice \"none\" to have them ignored")
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool calling is not supported by this server")
+        return v
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs per token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit (OpenAI)
+    allowed_token_ids: list[int] | None = None  # sample only among these (vLLM)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +57,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+             "logit_bias: token ids must be >= 0 and biases in [-100, 100]"),
+            (self.allowed_token_ids is None
+             or (self.allowed_token_ids and all(t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -63,6 +70,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    def token_ids_out_of(self, vocab_size: int) -> int | None:
+        """A token id of logit_bias or allowed_token_ids outside the vocabulary (stop token
+        ids may be: they can never be sampled, so they never stop anything)."""
+        named = [*(self.logit_bias or ()), *(self.allowed_token_ids or ())]
+        return next((t for t in named if t >= vocab_size), None)
 
     @property
     def needs_penalties(self) -> bool:

@@ -1,7 +1,8 @@
 """Turn the last-position logits of each sequence into tokens.
 
-Order of operations (vLLM's): penalties → min_tokens masking → greedy argmax, or temperature →
-top-k → top-p → min-p → sample. Logprobs are those of the raw model distribution.
+Order of operations (vLLM's): allowed_token_ids and logit_bias → penalties → min_tokens masking
+→ greedy argmax, or temperature → top-k → top-p → min-p → sample. Logprobs are those of the raw
+model distribution.
 
 Sampling uses the exponential-race form of the Gumbel-max trick: `argmax(p / q)` with
 `q ~ Exp(1)` draws from `p`. For a request with a `seed`, `q` comes from a generator seeded with
@@ -45,6 +46,8 @@ class Sampler:
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         for i, request in enumerate(requests):
             params = request.sampling_params
+            if params.allowed_token_ids is not None or params.logit_bias:
+                _bias_row(logits[i], params.allowed_token_ids, params.logit_bias)
             if params.needs_penalties:
                 self._penalize_row(logits[i], request)
             if request.num_output_tokens < params.min_tokens:
@@ -101,6 +104,20 @@ class Sampler:
             values, ids = raw[i].topk(k)
             top = [Logprob(t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
         return TokenLogprobs(Logprob(token, float(raw[i, token])), top)
+
+
+def _bias_row(row: torch.Tensor, allowed: list[int] | None,
+              bias: dict[int, float] | None) -> None:
+    """Everything outside `allowed` to -inf, then `bias` added (OpenAI's logit_bias: -100 all
+    but bans a token, +100 all but forces it). Ids were checked against the vocabulary."""
+    if allowed is not None:
+        keep = torch.tensor(allowed, dtype=torch.long)
+        kept = row[keep]
+        row.fill_(float("-inf"))
+        row[keep] = kept
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

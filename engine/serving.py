@@ -64,6 +64,9 @@ class OpenAIServing:
             self._sampling_params(req, len(ids) - num_prior, max_tokens) for _, ids in prompts
         ]
         for (_, ids), sp in zip(prompts, params, strict=True):
+            if not ids:
+                raise APIError(400, "prompt is empty (no tokens after tokenization)",
+                               param="prompt", code="invalid_value")
             try:
                 check_prior_output(num_prior, len(ids), sp.max_tokens)
             except ValueError as err:
@@ -105,7 +108,7 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 temperature=req.temperature,
@@ -122,9 +125,17 @@ class OpenAIServing:
                 logprobs=req.num_logprobs,  # type: ignore[attr-defined]
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
             )
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None
+        bad = params.token_ids_out_of(self.engine.vocab_size)
+        if bad is not None:
+            field = "logit_bias" if bad in (params.logit_bias or {}) else "allowed_token_ids"
+            raise APIError(400, f"{field}: token id {bad} is out of range [0, "
+                           f"{self.engine.vocab_size})", param=field, code="invalid_value")
+        return params
 
     def _abort(self, streams: list[RequestStream]) -> None:
         for s in streams:

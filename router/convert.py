@@ -23,7 +23,8 @@ from splitserve.engine.protocol import deliverable_text_len
 # Sampling fields a decode request inherits from the client's request.
 _SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority")
+             "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "priority",
+             "logit_bias", "allowed_token_ids")
 
 
 def max_output_tokens(body: dict[str, Any], chat: bool) -> int | None:

@@ -44,6 +44,7 @@ def _complete(fleet, stream: bool, prompt: str, **params: Any) -> dict[str, Any]
             "min_tokens",
             "stop_token_ids",
             "include_stop_str_in_output",
+            "allowed_token_ids",
         )
         if k in params
     }
@@ -122,6 +123,12 @@ def _assert_same(fleets, prompt: str, **params: Any) -> dict[str, Any]:
 def test_penalties_and_seeded_sampling(fleets, prompt, params):
     want = _assert_same(fleets, prompt, max_tokens=16, **params)
     assert want["usage"][1] == len(want["token_ids"]) == 16
+
+
+def test_logit_bias_and_allowed_token_ids_reach_prefill_and_decode(fleets):
+    want = _assert_same(fleets, PROMPT, max_tokens=10, temperature=0.8, seed=11,
+                        allowed_token_ids=[20, 21, 22, 23], logit_bias={"23": -100, "20": 2})
+    assert set(want["token_ids"]) <= {20, 21, 22}
 
 
 def test_min_tokens_masks_a_stop_token_at_t1(fleets):

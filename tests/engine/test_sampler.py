@@ -71,6 +71,35 @@ def test_penalties_and_min_tokens_mask():
     assert sampler(logits.clone(), [min_tok])[0] == [0]  # eos (1) and stop token (2) are banned
 
 
+def test_logit_bias_and_allowed_token_ids():
+    sampler = Sampler(vocab_size=6)
+    logits = torch.tensor([[1.0, 5.0, 4.9, -1.0, 0.0, 0.0]])
+    forced = _req(SamplingParams(temperature=0, logit_bias={3: 100.0}))
+    assert sampler(logits.clone(), [forced])[0] == [3]
+    banned = _req(SamplingParams(temperature=0, logit_bias={1: -100.0}))
+    assert sampler(logits.clone(), [banned])[0] == [2]
+    allowed = _req(SamplingParams(temperature=0, allowed_token_ids=[0, 3]))
+    assert sampler(logits.clone(), [allowed])[0] == [0]
+    both = _req(SamplingParams(temperature=0, allowed_token_ids=[0, 3], logit_bias={3: 2.5}))
+    assert sampler(logits.clone(), [both])[0] == [3]  # -1 + 2.5 > 1
+    sampled = _req(SamplingParams(temperature=2.0, allowed_token_ids=[4, 5]))
+    assert all(sampler(logits.clone(), [sampled])[0][0] in (4, 5) for _ in range(20))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_logit_bias_reaches_the_engine(llm):
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=8, ignore_eos=True,
+                            allowed_token_ids=[11, 12, 13], logit_bias={13: -100.0})
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 8 and set(out) <= {11, 12}
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert_all_blocks_free(llm.stats())
+
+
 def test_logprobs_are_raw_and_sorted(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
