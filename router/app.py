@@ -106,7 +106,8 @@ def _completion_endpoints(max_body_bytes: int, proxy: FleetProxy, metrics: Route
 
 def _add_fleet_routes(app: FastAPI, client: UpstreamClient, registry: InstanceRegistry,
                       proxy: FleetProxy, metrics: RouterMetrics) -> None:
-    """`GET /v1/models` (from a healthy instance), `/health` and `/metrics` (the router's)."""
+    """`GET /v1/models` (from a healthy instance), `/health` (every instance checked now) and
+    `/metrics` (the router's)."""
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -122,6 +123,9 @@ def _add_fleet_routes(app: FastAPI, client: UpstreamClient, registry: InstanceRe
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        # A fresh round of checks: the loop's last one can be health_interval_s old, and a
+        # client reading /health right after its request expects that request's blocks free.
+        await registry.check_all()
         described = [i.describe() for i in registry.all()]
         if proxy.colocated:
             ok = bool(registry.healthy("colocated"))

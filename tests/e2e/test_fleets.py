@@ -114,9 +114,16 @@ def test_bad_input_same_as_instance(fleet):
 
 
 def test_health_lists_instances(fleet):
+    client(fleet).completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8)
+    wait_all_blocks_free(fleet)  # asked of each instance directly
     health = httpx.get(f"{fleet.url}/health").json()
     assert health["status"] == "ok"
     assert {i["url"] for i in health["instances"]} == {u for *_, u in fleet.fleet.instances()}
     assert all(i["healthy"] for i in health["instances"])
+    # The router checks every instance on /health: its figures are those of now, not of the
+    # last background poll (which may predate the request's end).
+    for inst in health["instances"]:
+        assert inst["kv_blocks_free"] == inst["kv_blocks_total"] > 0, inst
+        assert inst["running"] == inst["waiting"] == 0, inst
     metrics = httpx.get(f"{fleet.url}/metrics").text
     assert "splitserve:router_requests_total" in metrics

@@ -34,6 +34,7 @@ class FakeInstance:
 
     def __init__(self) -> None:
         self.disconnected = asyncio.Event()
+        self.health = {"status": "ok", "model": "fake"}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -44,7 +45,7 @@ class FakeInstance:
             raw, more = raw + message.get("body", b""), message.get("more_body", False)
         rid = dict(scope["headers"]).get(b"x-request-id", b"")
         if scope["path"] == "/health":
-            await self.reply(send, 200, b'{"status":"ok","model":"fake"}', rid)
+            await self.reply(send, 200, msgspec.json.encode(self.health), rid)
             return
         prompt = msgspec.json.decode(raw).get("prompt")
         if prompt == "hang":  # like a long generation: answers only when the client leaves
@@ -251,5 +252,31 @@ def test_guard_checks_key_and_size_before_routing():
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
             r = await c.get("/health")  # not under /v1/: no key needed
             assert r.status_code == 503
+
+    asyncio.run(main())
+
+
+def test_health_checks_every_instance_when_asked():
+    """The background poll is an hour apart here: /health must still show the load of now."""
+
+    async def main() -> None:
+        fake = FakeInstance()
+        async with serve(fake) as url:
+            app = build_app(RouterConfig(port=0, health_interval_s=3600), [(url, "colocated")])
+            async with serve(app, lifespan="on") as router:
+                async with httpx.AsyncClient(base_url=router) as c:
+                    fake.health = {"status": "ok", "running": 3, "kv_blocks_free": 5,
+                                   "kv_blocks_total": 8}
+                    inst = (await c.get("/health")).json()["instances"][0]
+                    assert (inst["running"], inst["kv_blocks_free"]) == (3, 5)
+                    fake.health = {"status": "ok", "running": 0, "kv_blocks_free": 8,
+                                   "kv_blocks_total": 8}
+                    r = await c.get("/health")
+                    assert r.status_code == 200
+                    inst = r.json()["instances"][0]
+                    assert (inst["running"], inst["kv_blocks_free"], inst["healthy"]) == (0, 8, True)
+                    fake.health = {"status": "starting"}
+                    r = await c.get("/health")
+                    assert r.status_code == 503 and not r.json()["instances"][0]["healthy"]
 
     asyncio.run(main())
