@@ -4,7 +4,8 @@
 - config.py: `KVTransferConfig`, the `kv_transfer` section of an engine config.
 - registry.py: connector name → "module:Class", imported on first use.
 - p2p/: what the point-to-point connectors share (leases, side channel, I/O thread).
-- nixl/, nccl/, redis/: the connectors. driver.py: an engine-less driver for tests and benchmarks.
+- nixl/, nccl/, redis/: the connectors. driver.py: an engine-less driver for tests and benchmarks;
+  remote_engine.py runs one in its own process.
 
 Importing this package is cheap: no torch, no transport library.
 """

@@ -1,7 +1,7 @@
 """KV transfer throughput of each connector between two processes, against a plain copy.
 
 For each connector, preset and dtype: a producer and a consumer `SimEngine` (see
-kv_connector/driver.py) in two spawned processes move N blocks through the connector API, the way
+kv_connector/driver.py, remote_engine.py) in two spawned processes move N blocks through the connector API, the way
 the engine drives it; the consumer times each load from `start_load_kv` to `get_finished`
 reporting it (redis: the producer's save is timed too). The same run measures a single-threaded
 in-process `dst.copy_(src)` of the same bytes, the ceiling a transport is compared with; its
@@ -136,20 +136,51 @@ def bench_one(
     """Median load (and redis save) time and GB/s of one configuration, with the copy ratio."""
     from dataclasses import replace
 
-    from splitserve.kv_connector.driver import PRESETS, RemoteEngine
+    from splitserve.kv_connector.driver import PRESETS
 
     shape = replace(PRESETS[preset], dtype=dtype)
     num_blocks = max(1, int(mib * 2**20) // shape.block_nbytes)
+    p, d = _engine_pair(connector, shape, num_blocks, scattered, redis_url)
+    try:
+        times, copies = _measure(
+            connector,
+            p,
+            d,
+            num_blocks * shape.block_size,
+            repeats,
+            Copier(num_blocks * shape.block_nbytes),
+        )
+    finally:
+        p.close()
+        d.close()
+    base = {
+        "connector": connector,
+        "preset": preset,
+        "dtype": dtype,
+        "layout": "scattered" if scattered else "contiguous",
+        "blocks": num_blocks,
+        "block_bytes": shape.block_nbytes,
+        "bytes": num_blocks * shape.block_nbytes,
+        "target": TARGETS.get(connector),
+    }
+    return [_row(base, op, ts, copies) for op, ts in times.items() if ts]
+
+
+def _engine_pair(
+    connector: str, shape: Any, num_blocks: int, scattered: bool, redis_url: str | None
+) -> tuple[Any, Any]:
+    """A producer and a consumer SimEngine, each in its own process, with room for the blocks."""
+    from splitserve.kv_connector.remote_engine import RemoteEngine
+
     options: dict[str, Any] = {"timeout_s": 60}
     if connector == "redis":
         options = {"url": redis_url, "timeout_s": 60, "wait_s": 0}
     config = {"connector": connector, "options": options, "lease_s": 300}
-    total = num_blocks + 4
     engines = [
         RemoteEngine(
             {**config, "kv_role": role},
             shape,
-            total,
+            num_blocks + 4,
             f"{role}-bench",
             seed=seed,
             wait=False,
@@ -159,55 +190,45 @@ def bench_one(
         for role, seed in (("producer", 1), ("consumer", 2))
     ]
     p, d = (e.ready() for e in engines)
-    tokens = num_blocks * shape.block_size
-    nbytes = num_blocks * shape.block_nbytes
-    copier = Copier(nbytes)
+    return p, d
+
+
+def _measure(
+    connector: str, p: Any, d: Any, tokens: int, repeats: int, copier: Copier
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per load (and redis save) and per same-size copy; the first repeat untimed."""
     times: dict[str, list[float]] = {"load": [], "save": []}
     copies: list[float] = []
-    try:
-        for i in range(repeats + 1):  # the first one handshakes / builds the pair: not timed
-            prompt = [i * tokens + t for t in range(tokens)]
-            out = p.call("prefill", f"p{i}", prompt, {"do_remote_decode": True})
-            if connector == "redis":  # the save must land before the load reads it
-                p.call("run_until", [f"p{i}"], 120, timeout=130)
-                times["save"].append(p.call("held_seconds", f"p{i}"))
-            d.call("load", f"d{i}", prompt + [1], out["params"])
-            status = d.call("run_until", [f"d{i}"], 120, timeout=130)
-            if f"d{i}" not in status["done_recving"]:
-                raise RuntimeError(f"{connector}: load failed: {status['failed']}")
-            times["load"].append(status["done_recving"][f"d{i}"])
-            copies.append(copier.seconds())
+    for i in range(repeats + 1):  # the first one handshakes / builds the pair: not timed
+        prompt = [i * tokens + t for t in range(tokens)]
+        out = p.call("prefill", f"p{i}", prompt, {"do_remote_decode": True})
+        if connector == "redis":  # the save must land before the load reads it
             p.call("run_until", [f"p{i}"], 120, timeout=130)
-            d.call("finish", f"d{i}")
-    finally:
-        p.close()
-        d.close()
-    rows = []
-    for op, ts in times.items():
-        if not ts:
-            continue
-        ts, cs = ts[1:], copies[1:]
-        rows.append(
-            {
-                "connector": connector,
-                "preset": preset,
-                "dtype": dtype,
-                "op": op,
-                "layout": "scattered" if scattered else "contiguous",
-                "blocks": num_blocks,
-                "block_bytes": shape.block_nbytes,
-                "bytes": nbytes,
-                "median_s": statistics.median(ts),
-                "gbps": nbytes / statistics.median(ts) / 1e9,
-                "copy_gbps": nbytes / statistics.median(cs) / 1e9,
-                # per repeat, transfer and copy side by side: robust to the load drifting
-                "ratio": statistics.median(c / t for t, c in zip(ts, cs, strict=True)),
-                "target": TARGETS.get(connector),
-                "times_s": ts,
-                "copy_times_s": cs,
-            }
-        )
-    return rows
+            times["save"].append(p.call("held_seconds", f"p{i}"))
+        d.call("load", f"d{i}", prompt + [1], out["params"])
+        status = d.call("run_until", [f"d{i}"], 120, timeout=130)
+        if f"d{i}" not in status["done_recving"]:
+            raise RuntimeError(f"{connector}: load failed: {status['failed']}")
+        times["load"].append(status["done_recving"][f"d{i}"])
+        copies.append(copier.seconds())
+        p.call("run_until", [f"p{i}"], 120, timeout=130)
+        d.call("finish", f"d{i}")
+    return {op: ts[1:] for op, ts in times.items()}, copies[1:]
+
+
+def _row(base: dict[str, Any], op: str, ts: list[float], cs: list[float]) -> dict[str, Any]:
+    median = statistics.median(ts)
+    return {
+        **base,
+        "op": op,
+        "median_s": median,
+        "gbps": base["bytes"] / median / 1e9,
+        "copy_gbps": base["bytes"] / statistics.median(cs) / 1e9,
+        # per repeat, transfer and copy side by side: robust to the load drifting
+        "ratio": statistics.median(c / t for t, c in zip(ts, cs, strict=True)),
+        "times_s": ts,
+        "copy_times_s": cs,
+    }
 
 
 def main() -> None:

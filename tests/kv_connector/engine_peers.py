@@ -14,7 +14,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from splitserve.kv_connector.driver import serve_calls
+from splitserve.kv_connector.remote_engine import serve_calls
 
 ENGINE_ARGS: dict[str, Any] = {"num_threads": 1, "kv_cache_memory": "16MiB", "max_model_len": 512}
 

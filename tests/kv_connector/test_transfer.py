@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 from kvc_helpers import RedisServer, nixl_missing
 
-from splitserve.kv_connector.driver import PRESETS, RemoteEngine, sim_kv_cache
+from splitserve.kv_connector.driver import PRESETS, sim_kv_cache
+from splitserve.kv_connector.remote_engine import RemoteEngine
 
 SHAPE = PRESETS["tiny"]  # 4 layers, 4 kv heads, head_dim 32, block 16: 64 KiB blocks (fp32)
 BS = SHAPE.block_size
