@@ -278,13 +278,16 @@ def plot_cdfs(results: list[RequestResult], path: str, title: str) -> None:
     }
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (name, values) in zip(axes.flat, series.items(), strict=True):
+        unit = "ms"
         if values:
-            a = np.sort(np.asarray(values) * 1000)
+            a = np.sort(np.asarray(values))
+            unit, scale = ("s", 1.0) if a[-1] >= 10 else ("ms", 1000.0)  # readable ticks
+            a = a * scale
             ax.plot(a, np.arange(1, len(a) + 1) / len(a))
             for q in (50, 90, 99):
                 ax.axvline(np.percentile(a, q), ls=":", lw=0.8, color="gray")
-        ax.set_title(f"{name} CDF")
-        ax.set_xlabel("ms")
+        ax.set_title(f"{name} CDF (dotted: p50, p90, p99)")
+        ax.set_xlabel(unit)
         ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of tokens")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
