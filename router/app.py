@@ -29,6 +29,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from splitserve.engine.fleet import FleetConfig, RouterConfig
@@ -65,6 +66,7 @@ def build_app(config: RouterConfig, instances: list[tuple[str, str]]) -> FrontDo
     app = FastAPI(title="splitserve router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.registry, app.state.proxy, app.state.metrics = registry, proxy, metrics
+    _add_error_handlers(app)
     endpoints = _completion_endpoints(config.max_body_bytes, proxy, metrics)
     for path, endpoint in endpoints.items():
         # Served by the front door; listed here too, so other methods get FastAPI's 405.
@@ -137,6 +139,22 @@ def _add_fleet_routes(app: FastAPI, client: UpstreamClient, registry: InstanceRe
     @app.get("/metrics")
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error format too,
+    as the instances do, instead of Starlette's `{"detail": ...}`."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> Response:
+        return error_response(err.status_code, f"{err.detail} ({request.method} "
+                              f"{request.url.path})", str(err.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(err).__name__}: {err}",
+                              "internal_error", "internal_error")
 
 
 def _add_register_routes(app: FastAPI, registry: InstanceRegistry) -> None:

@@ -280,3 +280,20 @@ def test_health_checks_every_instance_when_asked():
                     assert r.status_code == 503 and not r.json()["instances"][0]["healthy"]
 
     asyncio.run(main())
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors():
+    async def main() -> None:
+        app = build_app(RouterConfig(port=0), [])
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            for method, path, status in (("GET", "/v1/nothing", 404),
+                                         ("GET", "/v1/completions", 405),
+                                         ("DELETE", "/v1/chat/completions", 405)):
+                r = await c.request(method, path)
+                assert r.status_code == status, (method, path)
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert path in error["message"] and error["code"] == str(status)
+
+    asyncio.run(main())
