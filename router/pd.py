@@ -13,12 +13,15 @@ No prefill instance answers → decode-only: the client's original body goes to 
 prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer comes from P alone
 and, once it is sent, the router tells P to free its held blocks (`POST /v1/kv/release`); were
 that call lost, the lease frees them. (With max_tokens 1 P holds none: it is not asked to.)
+The same release goes out when no decode instance accepts the request after t0 (the client
+left, no healthy D, D failed or refused it): once D accepts, freeing P is D's job.
 A batch of prompts takes this path once per prompt (router/batch.py). Colocated fleets skip
 all of this: the body goes to one instance and its answer comes back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -61,6 +64,7 @@ class FleetProxy:
                  prefill_retries: int = 1) -> None:
         self.client, self.registry, self.policies = client, registry, policies
         self.metrics, self.prefill_retries = metrics, prefill_retries
+        self._releases: set[asyncio.Task] = set()  # fire-and-forget releases, kept referenced
 
     # ------------------------------------------------------------------ picking
     def pick(self, role: str, prompt: Any = None, exclude: set[str] | None = None) -> Instance:
@@ -179,43 +183,65 @@ class FleetProxy:
             out = convert.full_response(body, chat, request_id, model, t0, None)
             return _json(out, request_id, release)
         d_body = convert.decode_body(body, chat, t0, stream)
-        if not stream:
+        if stream:
+            chunks = self._stream(body, chat, request_id, model, t0, d_body, started)
+            return self._sse(chunks, request_id)
+        try:
+            rest = await self._decode(d_body, t0, request_id)
+        except InstanceUnavailable as err:
+            return error_response(502, f"decode instance failed: {err}", "decode_failed",
+                                  "server_error", request_id=request_id)
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return _json(convert.full_response(body, chat, request_id, model, t0, rest), request_id)
+
+    async def _decode(self, d_body: dict[str, Any], t0: dict[str, Any], request_id: str
+                      ) -> dict[str, Any]:
+        """D's whole (non-streamed) answer; P's blocks freed if D never takes the request."""
+        accepted = False
+        d_inst = None
+        try:
             d_inst = self.pick("decode", t0["prompt_token_ids"])
             d_inst.in_flight += 1
-            try:
-                rest = await self.client.post_json(d_inst, "/v1/completions", d_body,
-                                                   request_id)
-            except InstanceUnavailable as err:
-                self.registry.mark_down(d_inst, str(err))
-                self.metrics.errors.labels("decode_failed").inc()
-                return error_response(502, f"decode instance failed: {err}", "decode_failed",
-                                      "server_error", request_id=request_id)
-            finally:
+            rest = await self.client.post_json(d_inst, "/v1/completions", d_body, request_id)
+            accepted = True
+            return rest
+        except InstanceUnavailable as err:
+            self.registry.mark_down(d_inst, str(err))
+            self.metrics.errors.labels("decode_failed").inc()
+            raise
+        finally:
+            if d_inst is not None:
                 d_inst.in_flight -= 1
-            self.metrics.latency.observe(time.perf_counter() - started)
-            return _json(convert.full_response(body, chat, request_id, model, t0, rest),
-                         request_id)
-        chunks = self._stream(body, chat, request_id, model, t0, d_body, started)
-        return self._sse(chunks, request_id)
+            if not accepted:
+                self._release_abandoned(t0, request_id)
 
     def _release_prefill_blocks(self, t0: dict[str, Any], request_id: str
                                 ) -> BackgroundTask | None:
         """No decode instance will pull this request's KV: let P free it now, not at lease end.
 
         Run as the answer's background task, once the answer is sent: off the client's path."""
-        params = t0.get("kv_transfer_params")
-        if not params:
+        if not t0.get("kv_transfer_params"):
             return None
+        return BackgroundTask(self._release, t0, request_id)
 
-        async def release() -> None:
-            try:
-                await self.client.request("POST", f"{t0['prefill_url']}/v1/kv/release",
-                                          msgspec.json.encode({"kv_transfer_params": params}),
-                                          timeout_s=5.0)
-            except InstanceUnavailable as err:  # the lease frees the blocks anyway
-                logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
+    def _release_abandoned(self, t0: dict[str, Any], request_id: str) -> None:
+        """The request ends before a decode instance accepted it (client gone, D failed or
+        refused it): nobody will pull P's held KV, so free it now instead of at lease end. From
+        a closing stream or a cancelled task, hence a task of its own. Should D have received
+        the request after all, its own release or "done" comes too; P takes either once."""
+        if not t0.get("kv_transfer_params"):
+            return
+        task = asyncio.get_running_loop().create_task(self._release(t0, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-        return BackgroundTask(release)
+    async def _release(self, t0: dict[str, Any], request_id: str) -> None:
+        body = msgspec.json.encode({"kv_transfer_params": t0["kv_transfer_params"]})
+        try:
+            await self.client.request("POST", f"{t0['prefill_url']}/v1/kv/release", body,
+                                      timeout_s=5.0)
+        except InstanceUnavailable as err:  # the lease frees the blocks anyway
+            logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
 
     def _sse(self, chunks: AsyncIterator[bytes], request_id: str,
              background: BackgroundTask | None = None) -> StreamingResponse:
@@ -238,6 +264,20 @@ class FleetProxy:
     async def _stream(self, body: dict[str, Any], chat: bool, request_id: str, model: str,
                       t0: dict[str, Any], d_body: dict[str, Any],
                       started: float) -> AsyncIterator[bytes]:
+        """`_stream_events`, with P's blocks freed if the stream ends (the client left, D
+        failed or refused) before D accepted the request."""
+        events = self._stream_events(body, chat, request_id, model, t0, d_body, started)
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            await events.aclose()
+            if not t0.get("decode_accepted"):
+                self._release_abandoned(t0, request_id)
+
+    async def _stream_events(self, body: dict[str, Any], chat: bool, request_id: str,
+                             model: str, t0: dict[str, Any], d_body: dict[str, Any],
+                             started: float) -> AsyncIterator[bytes]:
         """t0 at once, then D's tokens; a D failure becomes an error event, never a hang."""
         out = convert.ClientChunks(body, chat, request_id, model)
         if chat:
@@ -251,6 +291,7 @@ class FleetProxy:
             d_inst.in_flight += 1
             response = await self.client.open_stream(d_inst, "/v1/completions",
                                                      msgspec.json.encode(d_body), request_id)
+            t0["decode_accepted"] = True  # D answered 200: it owns the KV's release now
             async for event in sse_events(response):
                 if "error" in event:
                     yield sse(event)

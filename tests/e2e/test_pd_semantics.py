@@ -282,3 +282,24 @@ def test_cached_tokens_are_the_prefill_instances_prefix_hits(fleets):
             cached.append(answer.usage.prompt_tokens_details.cached_tokens)
         assert cached == [0, 32], name
         wait_all_blocks_free(fleets[name])
+
+
+def test_prefill_blocks_freed_when_no_decode_instance_takes_the_request(fleets):
+    """P holds a request's KV for D under a lease (5 s in these fleets). With the decode instance gone
+    from the router, the request fails after t0 (503 / an error event) and the router must free
+    P's blocks at once, not leave them to the lease."""
+    fleet = fleets["1p1d-nixl"]
+    decode_url = next(u for role, _, u in fleet.fleet.instances() if role == "decode")
+    body = {"model": MODEL_NAME, "prompt": PROMPT * 8, "max_tokens": 8}
+    r = httpx.request("DELETE", f"{fleet.url}/register", json={"url": decode_url})
+    assert r.status_code == 200
+    try:
+        answer = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 503, answer.text
+        streamed = httpx.post(f"{fleet.url}/v1/completions", json={**body, "stream": True},
+                              timeout=60)
+        assert "no_healthy_instance" in streamed.text
+        wait_all_blocks_free(fleet, timeout_s=2.5)  # well inside the 5 s lease
+    finally:
+        httpx.post(f"{fleet.url}/register", json={"url": decode_url, "role": "decode"})
+    assert _complete(fleet, True, PROMPT, max_tokens=4)["usage"][1] == 4
