@@ -131,16 +131,17 @@ def bench_one(
     mib: float,
     repeats: int,
     scattered: bool,
-    redis_url: str | None,
+    options: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Median load (and redis save) time and GB/s of one configuration, with the copy ratio."""
+    """Median load (and redis save) time and GB/s of one configuration, with the copy ratio.
+    `options`: the connector's, on top of a 60 s timeout."""
     from dataclasses import replace
 
     from splitserve.kv_connector.driver import PRESETS
 
     shape = replace(PRESETS[preset], dtype=dtype)
     num_blocks = max(1, int(mib * 2**20) // shape.block_nbytes)
-    p, d = _engine_pair(connector, shape, num_blocks, scattered, redis_url)
+    p, d = _engine_pair(connector, shape, num_blocks, scattered, options)
     try:
         times, copies = _measure(
             connector,
@@ -167,15 +168,12 @@ def bench_one(
 
 
 def _engine_pair(
-    connector: str, shape: Any, num_blocks: int, scattered: bool, redis_url: str | None
+    connector: str, shape: Any, num_blocks: int, scattered: bool, options: dict[str, Any]
 ) -> tuple[Any, Any]:
     """A producer and a consumer SimEngine, each in its own process, with room for the blocks."""
     from splitserve.kv_connector.remote_engine import RemoteEngine
 
-    options: dict[str, Any] = {"timeout_s": 60}
-    if connector == "redis":
-        options = {"url": redis_url, "timeout_s": 60, "wait_s": 0}
-    config = {"connector": connector, "options": options, "lease_s": 300}
+    config = {"connector": connector, "options": {"timeout_s": 60, **options}, "lease_s": 300}
     engines = [
         RemoteEngine(
             {**config, "kv_role": role},
@@ -250,6 +248,9 @@ def main() -> None:
         default="tcp",
         help="private server only: tcp, unix or tcp,unix (a unix-socket URL, same server)",
     )
+    ap.add_argument(
+        "--gloo-connections", type=int, default=None, help="nccl (gloo): TCP connections per pair"
+    )
     ap.add_argument("--out", default="bench_results/bench_transfer.json")
     args = ap.parse_args()
 
@@ -266,12 +267,12 @@ def main() -> None:
     try:
         for preset in args.presets.split(","):
             for dtype in args.dtypes.split(","):
-                for connector, label, url in _variants(connectors, redis, args):
+                for connector, label, options in _variants(connectors, redis, args):
                     for scattered in layouts:
                         if redis is not None:
                             redis.flush()
                         for row in bench_one(
-                            connector, preset, dtype, args.mib, args.repeats, scattered, url
+                            connector, preset, dtype, args.mib, args.repeats, scattered, options
                         ):
                             rows.append({**row, "connector": label})
                             _print_row(rows[-1], header=len(rows) == 1)
@@ -283,18 +284,21 @@ def main() -> None:
 
 def _variants(
     connectors: list[str], redis: RedisProcess | None, args: argparse.Namespace
-) -> list[tuple[str, str, str | None]]:
-    """(connector, row label, redis URL) per measured variant: redis once per transport."""
-    out: list[tuple[str, str, str | None]] = []
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """(connector, row label, connector options) per measured variant: redis once per
+    transport, nccl with `--gloo-connections` when given."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
     for connector in connectors:
-        if connector != "redis":
-            out.append((connector, connector, None))
+        if connector == "nccl" and args.gloo_connections:
+            out.append(("nccl", "nccl", {"gloo_connections": args.gloo_connections}))
+        elif connector != "redis":
+            out.append((connector, connector, {}))
         elif redis is None:
-            out.append(("redis", "redis", args.redis_url))
+            out.append(("redis", "redis", {"url": args.redis_url, "wait_s": 0}))
         else:
             for transport in args.redis_transport.split(","):
                 label = "redis" if transport == "tcp" else f"redis-{transport}"
-                out.append(("redis", label, redis.urls[transport]))
+                out.append(("redis", label, {"url": redis.urls[transport], "wait_s": 0}))
     return out
 
 

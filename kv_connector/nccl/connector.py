@@ -30,6 +30,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+from pydantic import Field
 
 from splitserve.kv_connector.layout import contiguous_runs, set_loopback_env
 from splitserve.kv_connector.nccl.pair import Job, Pair
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 class NcclOptions(P2POptions):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; `auto` is NCCL for a CUDA KV cache and gloo for a CPU one."""
+    gloo_connections: int = Field(default=2, ge=1, le=16)
+    """TCP connections per gloo pair (consecutive messages alternate between them); the
+    producer's number is used by both sides. More help where cores are free to drive them."""
 
 
 class PairInfo(msgspec.Struct, kw_only=True):
@@ -52,6 +56,7 @@ class PairInfo(msgspec.Struct, kw_only=True):
     store_port: int
     pair_id: str
     backend: str
+    gloo_connections: int = 2
 
 
 class SendRequest(msgspec.Struct, tag="send_request", kw_only=True):
@@ -93,12 +98,17 @@ class NcclConnector(P2PConnectorBase):
         timeout = datetime.timedelta(seconds=self.timeout_s)
         store = TCPStore(self.bind_host, 0, 2, True, timeout, wait_for_workers=False)
         pair_id = uuid.uuid4().hex
-        pair = self._pairs[pair_id] = Pair(self, pair_id, 0, store, self.backend)
+        lanes = self.options.gloo_connections
+        pair = self._pairs[pair_id] = Pair(self, pair_id, 0, store, self.backend, lanes)
         self._start_pair(pair)
         logger.info("KV pair %s with %s (%s)", pair_id[:8], message.engine_id, self.backend)
         return msgspec.msgpack.encode(
             PairInfo(
-                store_host=self.host, store_port=store.port, pair_id=pair_id, backend=self.backend
+                store_host=self.host,
+                store_port=store.port,
+                pair_id=pair_id,
+                backend=self.backend,
+                gloo_connections=lanes,
             )
         )
 
@@ -148,7 +158,8 @@ class NcclConnector(P2PConnectorBase):
         info = msgspec.msgpack.decode(reply.transport, type=PairInfo)
         if info.backend != self.backend:
             raise ValueError(f"producer uses {info.backend}, this engine {self.backend}")
-        pair = Pair(self, info.pair_id, 1, (info.store_host, info.store_port), self.backend)
+        store = (info.store_host, info.store_port)
+        pair = Pair(self, info.pair_id, 1, store, self.backend, info.gloo_connections)
         peer.transport = pair
         self._start_pair(pair)  # `pair_ready` arrives when the group is built
 

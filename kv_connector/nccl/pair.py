@@ -9,7 +9,7 @@ runs      [0..63]→[10..73]   [80]→[5]   [93]→[200]   [96..97]→[3..4]   .
 messages  in place, ≤ 8 MiB  └──────── one packed message ────────┘    ...
           each (0, 1, 2, 3)   (short runs gathered into a staging buffer of ≤ 16 MiB;
                                three buffers in flight so packing overlaps the wire)
-lane      i % 2: message i travels on TCP connection i % 2 of the pair
+lane      i % L: message i travels on TCP connection i % L of the pair (L: gloo_connections)
 ```
 
 Why (gloo over loopback TCP on 2 cores, 64 MiB, kv_connector/hugepages.py on): one TCP stream
@@ -42,7 +42,6 @@ DIRECT_MIN = 1 << 20  # runs at least this long travel in place
 PIECE = 8 << 20  # bytes per in-place message
 PACK_CHUNK = 16 << 20  # bytes per packed message
 PACK_BUFFERS = 3  # staging buffers (packed messages in flight) per pair
-GLOO_LANES = 2  # TCP connections per gloo pair: message i takes lane i % GLOO_LANES
 TAG_BITS = 6  # message i of a job is tagged job.tag << TAG_BITS | i % 2**TAG_BITS
 
 
@@ -85,9 +84,12 @@ class Pair(threading.Thread):
     `owner` is the NcclConnector: its `blocks`, `timeout_s`, `device` and `_submit` (results
     go back to its I/O thread as `pair_ready` and `job_done` events)."""
 
-    def __init__(self, owner: Any, pair_id: str, rank: int, store: Any, backend: str) -> None:
+    def __init__(
+        self, owner: Any, pair_id: str, rank: int, store: Any, backend: str, lanes: int = 2
+    ) -> None:
         super().__init__(daemon=True, name=f"kv-nccl-pair-{pair_id[:8]}-r{rank}")
         self.owner, self.pair_id, self.rank, self.backend = owner, pair_id, rank, backend
+        self.lanes = lanes  # gloo: TCP connections, the same number on both sides
         self.store = store  # a TCPStore (producer) or (host, port) to dial (consumer)
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.broken: str | None = None
@@ -136,7 +138,7 @@ class Pair(threading.Thread):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [
-            dist.ProcessGroupGloo.create_default_device() for _ in range(GLOO_LANES)
+            dist.ProcessGroupGloo.create_default_device() for _ in range(self.lanes)
         ]
         return dist.ProcessGroupGloo(prefix, self.rank, 2, options)
 

@@ -166,3 +166,24 @@ def test_one_handshake_serves_many_loads(connector: str, layout: str) -> None:
     finally:
         consumer.shutdown()
         producer.shutdown()
+
+
+def test_gloo_connections_are_the_producers() -> None:
+    """A producer with 3 gloo connections per pair and a consumer left at the default: the
+    consumer builds the pair with the producer's 3 (a mismatch would hang the group), and the
+    bytes arrive intact."""
+    options = {"timeout_s": 2.0, "gloo_connections": 3}
+    producer = _engine("nccl", "producer", "p-lanes", shuffle=False, options=options)
+    consumer = _engine("nccl", "consumer", "d-lanes", shuffle=False)
+    try:
+        out = producer.prefill("r", list(range(300)), {"do_remote_decode": True})
+        consumer.load("dr", list(range(301)), out["params"])
+        _step_until([producer, consumer], lambda: "dr" in consumer.done_recving)
+        assert not consumer.failed
+        src = out["block_ids"]
+        assert producer.block_data(src) == consumer.block_data(consumer.block_ids("dr")[: len(src)])
+        (peer,) = consumer.worker._peers.values()  # type: ignore[attr-defined]
+        assert peer.transport.lanes == 3
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
