@@ -49,44 +49,90 @@ def _serve(conn: Any, args: tuple, kwargs: dict, step_interval_s: float) -> None
     serve_calls(conn, lambda: SimEngine(*args, **kwargs), SimEngine.step, step_interval_s)
 
 
-class RemoteEngine:
-    """A SimEngine in its own (spawned) process."""
+class PipeProcess:
+    """The client side of `serve_calls`: a spawned process running `target(conn, *args)`, and
+    calls to it over the pipe. `send` and `recv` apart let a caller start a slow call in several
+    processes before collecting the answers; `call` is both."""
 
-    def __init__(
-        self, *args: Any, step_interval_s: float = 0.001, wait: bool = True, **kwargs: Any
-    ) -> None:
+    def __init__(self, label: str, target: Callable[..., None], args: tuple) -> None:
+        self.label = label
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_serve, args=(child, args, kwargs, step_interval_s), daemon=True
-        )
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
-        if wait:
-            self.ready()
+        self._in_flight: str | None = "startup"  # serve_calls answers once the target is built
 
-    def ready(self, timeout: float = 120) -> RemoteEngine:
-        """Wait until the engine is built (start several with wait=False, then ready() each)."""
-        self._wait(timeout)
+    def ready(self, timeout: float = 120) -> PipeProcess:
+        """Wait until the target is built (start several, then ready() each)."""
+        if self._in_flight == "startup":
+            self.recv(timeout)
         return self
 
-    def _wait(self, timeout: float) -> Any:
+    def send(self, method: str, *args: Any) -> None:
+        if self._in_flight is not None:  # an answer nobody collected (a failed test): drop it
+            try:
+                self.recv(60)
+            except (RuntimeError, TimeoutError):
+                pass
+        self._in_flight = method
+        self.conn.send((method, args))
+
+    def recv(self, timeout: float = 60) -> Any:
+        what, self._in_flight = self._in_flight, None
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"sim engine (pid {self.process.pid}) did not answer in {timeout}s")
+            raise TimeoutError(f"{self.label} (pid {self.process.pid}): {what} hung > {timeout}s")
         try:
             kind, value = self.conn.recv()
         except EOFError:
             self.process.join(5)
             raise RuntimeError(
-                f"sim engine (pid {self.process.pid}) died, exit code {self.process.exitcode}"
+                f"{self.label} (pid {self.process.pid}) died during {what}, "
+                f"exit code {self.process.exitcode}"
             ) from None
         if kind == "error":
-            raise RuntimeError(f"sim engine: {value}")
+            raise RuntimeError(f"{self.label}: {what}: {value}")
         return value
 
+    def call(self, method: str, *args: Any, timeout: float = 60) -> Any:
+        self.send(method, *args)
+        return self.recv(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no goodbye to peers."""
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                if self._in_flight is not None:
+                    self.recv(30)
+                self.call("exit", timeout=30)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+
+
+class RemoteEngine(PipeProcess):
+    """A SimEngine in its own (spawned) process, stepped every `step_interval_s` between calls."""
+
+    def __init__(
+        self, *args: Any, step_interval_s: float = 0.001, wait: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__("sim engine", _serve, (args, kwargs, step_interval_s))
+        if wait:
+            self.ready()
+
+    def ready(self, timeout: float = 120) -> RemoteEngine:
+        super().ready(timeout)
+        return self
+
     def call(self, method: str, *args: Any, timeout: float = 30) -> Any:
-        self.conn.send((method, args))
-        return self._wait(timeout)
+        return super().call(method, *args, timeout=timeout)
 
     def wait_for(self, predicate: Any, timeout: float, interval: float = 0.005) -> dict[str, Any]:
         """Poll status() until predicate(status) holds; the last status on timeout (no raise)."""
@@ -96,18 +142,3 @@ class RemoteEngine:
             if predicate(status) or time.monotonic() > deadline:
                 return status
             time.sleep(interval)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(10)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.call("exit", timeout=15)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
-            self.process.join(10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)

@@ -10,11 +10,10 @@ another meanwhile (the consumer's `generate`).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from typing import Any
 
-from splitserve.kv_connector.remote_engine import serve_calls
+from splitserve.kv_connector.remote_engine import PipeProcess, serve_calls
 
 ENGINE_ARGS: dict[str, Any] = {"num_threads": 1, "kv_cache_memory": "16MiB", "max_model_len": 512}
 
@@ -115,66 +114,12 @@ def _serve(conn: Any, model: str, engines: dict[str, dict[str, Any]]) -> None:
     serve_calls(conn, lambda: _Host(model, engines))
 
 
-class EngineProcess:
+class EngineProcess(PipeProcess):
     """Engines in their own (spawned) process. Start several, then `ready()` each."""
 
     def __init__(self, label: str, model: str, engines: dict[str, dict[str, Any]]) -> None:
-        self.label = label
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, model, engines), daemon=True)
-        self.process.start()
-        child.close()
-        self._in_flight: str | None = None
+        super().__init__(label, _serve, (model, engines))
 
     def ready(self, timeout: float = 180) -> EngineProcess:
-        self._in_flight = "startup"
-        self.recv(timeout)
+        super().ready(timeout)
         return self
-
-    def send(self, method: str, *args: Any) -> None:
-        if self._in_flight is not None:  # left over by a failed test: collect it first
-            try:
-                self.recv(60)
-            except (RuntimeError, TimeoutError):
-                pass
-        self._in_flight = method
-        self.conn.send((method, args))
-
-    def recv(self, timeout: float = 60) -> Any:
-        what, self._in_flight = self._in_flight, None
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.label} (pid {self.process.pid}): {what} hung > {timeout}s")
-        try:
-            kind, value = self.conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise RuntimeError(
-                f"{self.label} (pid {self.process.pid}) died during {what}, "
-                f"exit code {self.process.exitcode}"
-            ) from None
-        if kind == "error":
-            raise RuntimeError(f"{self.label}: {what}: {value}")
-        return value
-
-    def call(self, method: str, *args: Any, timeout: float = 60) -> Any:
-        self.send(method, *args)
-        return self.recv(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no goodbye to peers."""
-        self.process.kill()
-        self.process.join(10)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                if self._in_flight is not None:
-                    self.recv(30)
-                self.call("exit", timeout=30)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
-            self.process.join(10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
