@@ -33,6 +33,7 @@ from splitserve.engine.protocol_responses import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -40,6 +41,7 @@ from splitserve.engine.protocol_responses import (
     OpenAIModel,
     PromptTokensDetails,
     ResponseBase,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "CompletionStreamChoice",
     "CompletionStreamResponse",
     "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorInfo",
     "ErrorResponse",
     "KVReleaseRequest",
@@ -76,6 +80,8 @@ __all__ = [
     "SamplingFields",
     "StreamOptions",
     "TextContentPart",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "TopLogprob",
     "UsageInfo",
     "deliverable_text_len",
@@ -272,3 +278,28 @@ class KVReleaseRequest(OpenAIModel):
     """`POST /v1/kv/release`: the `kv_transfer_params` this instance returned for a request."""
 
     kv_transfer_params: dict[str, Any]
+
+
+class TokenizeRequest(OpenAIModel):
+    """`POST /tokenize` (vLLM): a text prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, validate_default=True)
+    add_special_tokens: bool = True
+    """Text prompts only, as `/v1/completions` encodes them; chat text is templated instead."""
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, v: list[ChatMessage] | None, info: ValidationInfo) -> Any:
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("send either prompt or messages")
+        return v
+
+
+class DetokenizeRequest(OpenAIModel):
+    """`POST /detokenize` (vLLM)."""
+
+    model: str | None = None
+    tokens: TokenIds

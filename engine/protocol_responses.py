@@ -171,3 +171,17 @@ class ModelCard(OpenAIModel):
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIModel):
+    """`POST /tokenize` (vLLM's shape)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    prompt: str

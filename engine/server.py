@@ -1,7 +1,7 @@
 """The per-instance OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming or not),
-`GET /v1/models`, `GET /health`, `GET /metrics`. The engine runs in its own process (AsyncLLM
+`POST /tokenize`, `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`. The engine runs in its own process (AsyncLLM
 over ZMQ); this process parses, tokenizes, detokenizes and writes HTTP.
 
 Errors are OpenAI's bodies with a status that says whose fault it is (api_errors.py); bodies are
@@ -36,9 +36,11 @@ from splitserve.engine.metrics import CONTENT_TYPE, ServerMetrics
 from splitserve.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KVReleaseRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from splitserve.engine.serving import OpenAIServing
 from splitserve.kv_connector.side_channel import release_remote_kv
@@ -114,6 +116,14 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _handle(request, serving, ChatCompletionRequest, serving.chat_completions)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _handle(request, serving, TokenizeRequest, serving.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _handle(request, serving, DetokenizeRequest, serving.detokenize)
 
     @app.post("/v1/kv/release")
     async def release_kv(request: Request) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""OpenAI completions and chat completions over an AsyncLLM: request in, response or SSE out.
+"""OpenAI completions and chat completions over an AsyncLLM: request in, response or SSE out
+(and vLLM's `/tokenize` and `/detokenize`, which share the prompt handling).
 
 A request becomes one engine request per prompt (`{X-Request-Id}-{index}`), so the router can
 name them. Every prompt's SamplingParams is checked before any is queued. Non-streamed answers
@@ -11,12 +12,21 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from splitserve.engine.api_errors import APIError
 from splitserve.engine.async_llm import AsyncLLM
 from splitserve.engine.output_processor import RequestOutput
-from splitserve.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from splitserve.engine.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from splitserve.engine.request import SamplingParams, check_prior_output
 from splitserve.engine.request_stream import RequestStream
 from splitserve.engine.response_format import ChatFormat, CompletionFormat, ResponseFormat
@@ -40,14 +50,42 @@ class OpenAIServing:
         return await self._respond(req, streams, fmt)
 
     async def chat_completions(self, req: ChatCompletionRequest, base_id: str) -> Response:
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        text, ids = self._chat_prompt(req.messages, req.add_generation_prompt)
         streams = self._add(req, base_id, [(text, ids)], req.max_output_tokens)
         fmt = ChatFormat(req, f"chatcmpl-{base_id}", self.model_name, self.tokenizer)
         return await self._respond(req, streams, fmt)
 
+    async def tokenize(self, req: TokenizeRequest, base_id: str) -> Response:
+        """vLLM's `/tokenize`: the ids a completion or chat request would generate from."""
+        if req.messages is not None:
+            ids = self._chat_prompt(req.messages, req.add_generation_prompt)[1]
+        else:
+            ids = self.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+        out = TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        return JSONResponse(out.model_dump())
+
+    async def detokenize(self, req: DetokenizeRequest, base_id: str) -> Response:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})",
+                           param="tokens", code="invalid_value")
+        text = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
     # ------------------------------------------------------------------------------ shared
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool
+                     ) -> tuple[str, list[int]]:
+        """The chat template's text and its ids (no special tokens added: the template has
+        them); a template error is the messages' fault (400)."""
+        turns = [{"role": m.role, "content": m.text} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt)
+        except ValueError as err:
+            raise APIError(400, f"messages: {err}", param="messages",
+                           code="invalid_value") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
     def _add(
         self,
         req: SamplingFields,

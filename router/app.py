@@ -1,7 +1,8 @@
 """The router's HTTP app: the one OpenAI-compatible endpoint clients see.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`, `POST /register` / `DELETE /register` (`{"url", "role"}`).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /health`, `GET /metrics`, `POST /register` / `DELETE /register`
+(`{"url", "role"}`).
 
 In a P/D fleet the router validates a body with the same protocol models the instances use,
 but only to know whether it is valid: an invalid body is forwarded untouched to an instance, whose
@@ -108,20 +109,32 @@ def _completion_endpoints(max_body_bytes: int, proxy: FleetProxy, metrics: Route
 
 def _add_fleet_routes(app: FastAPI, client: UpstreamClient, registry: InstanceRegistry,
                       proxy: FleetProxy, metrics: RouterMetrics) -> None:
-    """`GET /v1/models` (from a healthy instance), `/health` (every instance checked now) and
+    """`GET /v1/models`, `POST /tokenize` and `POST /detokenize` (answered by a healthy
+    instance: every instance serves the same model), `/health` (every instance checked now) and
     `/metrics` (the router's)."""
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def any_instance(method: str, path: str, content: bytes | None = None) -> Response:
         for role in ("colocated", "decode", "prefill"):
             for inst in registry.healthy(role):
                 try:
-                    status, content, _ = await client.request("GET", f"{inst.url}/v1/models")
-                    return Response(content, status_code=status, media_type="application/json")
+                    status, body, ctype = await client.request(method, inst.url + path, content)
+                    return Response(body, status_code=status, media_type=ctype)
                 except InstanceUnavailable as err:  # try the next one
-                    logger.warning("/v1/models on %s failed: %s", inst.url, err)
+                    logger.warning("%s on %s failed: %s", path, inst.url, err)
         return error_response(503, "no healthy instance", "no_healthy_instance",
                               "service_unavailable")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await any_instance("GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await any_instance("POST", "/tokenize", await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await any_instance("POST", "/detokenize", await request.body())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -216,7 +229,7 @@ class FrontDoor:
                 authorization = value.decode("latin-1")
             elif name == b"content-length" and length is None:
                 length = value
-        if self.authorization is not None and scope["path"].startswith(("/v1/", "/register")):
+        if self.authorization is not None and scope["path"].startswith(_KEYED):
             if authorization != self.authorization:
                 return error_response(401, "invalid or missing API key (send "
                                       "'Authorization: Bearer <key>')", "invalid_api_key")
@@ -224,6 +237,9 @@ class FrontDoor:
             return error_response(413, f"request body larger than {self.max_body_bytes} "
                                   "bytes (router.max_body_bytes)", "request_too_large")
         return None
+
+
+_KEYED = ("/v1/", "/register", "/tokenize", "/detokenize")  # paths that need the API key
 
 
 def build_fleet_app(fleet: FleetConfig) -> FrontDoor:

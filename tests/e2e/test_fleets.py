@@ -127,3 +127,16 @@ def test_health_lists_instances(fleet):
         assert inst["running"] == inst["waiting"] == 0, inst
     metrics = httpx.get(f"{fleet.url}/metrics").text
     assert "splitserve:router_requests_total" in metrics
+
+
+def test_tokenize_and_detokenize_through_the_router(fleet):
+    instance = fleet.fleet.instances()[-1][2]
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[0]}
+    via_router = httpx.post(f"{fleet.url}/tokenize", json=body)
+    assert via_router.status_code == 200
+    assert via_router.json() == httpx.post(f"{instance}/tokenize", json=body).json()
+    tokens = via_router.json()["tokens"]
+    back = httpx.post(f"{fleet.url}/detokenize", json={"tokens": tokens})
+    assert back.status_code == 200 and back.json()["prompt"] == PROMPTS[0]
+    bad = httpx.post(f"{fleet.url}/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tokens")

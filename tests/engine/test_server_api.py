@@ -214,3 +214,29 @@ def test_metrics(server: Server):
         "splitserve:generation_tokens_total",
     ):
         assert name in text, name
+
+
+def test_tokenize_and_detokenize(server: Server, client: openai.OpenAI):
+    """vLLM's /tokenize counts what a request would be prompted with: a text prompt as
+    /v1/completions encodes it, chat messages through the template (usage agrees)."""
+    url = server.url
+    text = "def main():\n    return 42"
+    tok = httpx.post(f"{url}/tokenize", json={"model": server.model, "prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    back = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert back["prompt"] == text
+    usage = client.completions.create(model=server.model, prompt=text, max_tokens=1).usage
+    assert usage.prompt_tokens == tok["count"]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    usage = client.chat.completions.create(model=server.model, messages=messages,
+                                           max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+    for path, body, param in (("/tokenize", {}, "messages"),
+                              ("/tokenize", {"prompt": "x", "messages": messages}, "messages"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens")):
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    r = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404

@@ -252,6 +252,9 @@ def test_guard_checks_key_and_size_before_routing():
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
             r = await c.get("/health")  # not under /v1/: no key needed
             assert r.status_code == 503
+            for path in ("/tokenize", "/detokenize", "/register"):
+                r = await c.post(path, content=b"{}")
+                assert r.status_code == 401, path
 
     asyncio.run(main())
 
