@@ -108,22 +108,22 @@ async def _handle(
     return response
 
 
+def _route(serving: OpenAIServing, model: type[BaseModel], run: Handler
+           ) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await _handle(request, serving, model, run)
+
+    return endpoint
+
+
 def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _handle(request, serving, CompletionRequest, serving.completions)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _handle(request, serving, ChatCompletionRequest, serving.chat_completions)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await _handle(request, serving, TokenizeRequest, serving.tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await _handle(request, serving, DetokenizeRequest, serving.detokenize)
+    for path, model, run in (
+        ("/v1/completions", CompletionRequest, serving.completions),
+        ("/v1/chat/completions", ChatCompletionRequest, serving.chat_completions),
+        ("/tokenize", TokenizeRequest, serving.tokenize),
+        ("/detokenize", DetokenizeRequest, serving.detokenize),
+    ):
+        app.add_api_route(path, _route(serving, model, run), methods=["POST"])
 
     @app.post("/v1/kv/release")
     async def release_kv(request: Request) -> JSONResponse:
