@@ -18,7 +18,12 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.models.config import ModelArchConfig
-from splitserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from splitserve.engine.request import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    Request,
+    first_out_of_vocab,
+)
 from splitserve.engine.scheduler import ModelRunnerOutput, Scheduler
 from splitserve.kv_connector.base import EngineInfo, KVConnectorRole
 from splitserve.kv_connector.registry import create_connector
@@ -92,13 +97,12 @@ class EngineCore:
             raise ValueError(f"prompt is {n} tokens, longer than max_model_len "
                              f"{self.max_model_len} minus 1 token to generate")
         vocab = self.arch.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        bad = first_out_of_vocab(req.prompt_token_ids, vocab)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} out of range [0, {vocab})")
-        bad = req.sampling_params.token_ids_out_of(vocab)
-        if bad is not None:
-            raise ValueError(f"token id {bad} in logit_bias or allowed_token_ids is out of range "
-                             f"[0, {vocab})")
+        problem = req.sampling_params.vocab_error(vocab)
+        if problem is not None:
+            raise ValueError(problem[1])
         req.check_prior_output()
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -71,16 +72,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def token_ids_out_of(self, vocab_size: int) -> int | None:
-        """A token id of logit_bias or allowed_token_ids outside the vocabulary (stop token
-        ids may be: they can never be sampled, so they never stop anything)."""
-        named = [*(self.logit_bias or ()), *(self.allowed_token_ids or ())]
-        return next((t for t in named if t >= vocab_size), None)
+    def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
+        """(field, message) for a logit_bias or allowed_token_ids id outside the vocabulary.
+        (Stop token ids may be: they can never be sampled, so they never stop anything.)"""
+        for field, ids in (("logit_bias", self.logit_bias or ()),
+                           ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = first_out_of_vocab(ids, vocab_size)
+            if bad is not None:
+                return field, f"{field}: token id {bad} is out of range [0, {vocab_size})"
+        return None
 
     @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def first_out_of_vocab(token_ids: Iterable[int], vocab_size: int) -> int | None:
+    """The first id not in [0, vocab_size), if any."""
+    return next((t for t in token_ids if not 0 <= t < vocab_size), None)
 
 
 class RequestStatus(enum.IntEnum):

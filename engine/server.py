@@ -1,8 +1,9 @@
 """The per-instance OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming or not),
-`POST /tokenize`, `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`. The engine runs in its own process (AsyncLLM
-over ZMQ); this process parses, tokenizes, detokenizes and writes HTTP.
+`POST /tokenize`, `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`.
+The engine runs in its own process (AsyncLLM over ZMQ); this process parses, tokenizes,
+detokenizes and writes HTTP.
 
 Errors are OpenAI's bodies with a status that says whose fault it is (api_errors.py); bodies are
 size-limited, parsed and validated on the way in (http_request.py). A client that disconnects,

@@ -27,7 +27,7 @@ from splitserve.engine.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from splitserve.engine.request import SamplingParams, check_prior_output
+from splitserve.engine.request import SamplingParams, check_prior_output, first_out_of_vocab
 from splitserve.engine.request_stream import RequestStream
 from splitserve.engine.response_format import ChatFormat, CompletionFormat, ResponseFormat
 from splitserve.engine.streaming import SSEBody, SSEResponse, collect
@@ -66,7 +66,7 @@ class OpenAIServing:
 
     async def detokenize(self, req: DetokenizeRequest, base_id: str) -> Response:
         vocab = self.engine.vocab_size
-        bad = next((t for t in req.tokens if t >= vocab), None)
+        bad = first_out_of_vocab(req.tokens, vocab)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})",
                            param="tokens", code="invalid_value")
@@ -168,11 +168,9 @@ class OpenAIServing:
             )
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None
-        bad = params.token_ids_out_of(self.engine.vocab_size)
-        if bad is not None:
-            field = "logit_bias" if bad in (params.logit_bias or {}) else "allowed_token_ids"
-            raise APIError(400, f"{field}: token id {bad} is out of range [0, "
-                           f"{self.engine.vocab_size})", param=field, code="invalid_value")
+        problem = params.vocab_error(self.engine.vocab_size)
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0], code="invalid_value")
         return params
 
     def _abort(self, streams: list[RequestStream]) -> None:

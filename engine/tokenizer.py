@@ -73,14 +73,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer._tok
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self.token_ids: list[int] = []
         self.text = ""
 
     def push(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed."""
         start = len(self.text)
         for token in new_token_ids:
-            self.token_ids.append(token)
             piece = self._stream.step(self._tok, token)
             if piece:
                 self.text += piece

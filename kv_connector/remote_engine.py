@@ -131,9 +131,6 @@ class RemoteEngine(PipeProcess):
         super().ready(timeout)
         return self
 
-    def call(self, method: str, *args: Any, timeout: float = 30) -> Any:
-        return super().call(method, *args, timeout=timeout)
-
     def wait_for(self, predicate: Any, timeout: float, interval: float = 0.005) -> dict[str, Any]:
         """Poll status() until predicate(status) holds; the last status on timeout (no raise)."""
         deadline = time.monotonic() + timeout

@@ -264,34 +264,21 @@ class FleetProxy:
     async def _stream(self, body: dict[str, Any], chat: bool, request_id: str, model: str,
                       t0: dict[str, Any], d_body: dict[str, Any],
                       started: float) -> AsyncIterator[bytes]:
-        """`_stream_events`, with P's blocks freed if the stream ends (the client left, D
-        failed or refused) before D accepted the request."""
-        events = self._stream_events(body, chat, request_id, model, t0, d_body, started)
-        try:
-            async for chunk in events:
-                yield chunk
-        finally:
-            await events.aclose()
-            if not t0.get("decode_accepted"):
-                self._release_abandoned(t0, request_id)
-
-    async def _stream_events(self, body: dict[str, Any], chat: bool, request_id: str,
-                             model: str, t0: dict[str, Any], d_body: dict[str, Any],
-                             started: float) -> AsyncIterator[bytes]:
-        """t0 at once, then D's tokens; a D failure becomes an error event, never a hang."""
+        """t0 at once, then D's tokens; a D failure becomes an error event, never a hang. If the
+        stream ends before D accepted the request (the client left, D failed or refused it),
+        P's held blocks are released."""
         out = convert.ClientChunks(body, chat, request_id, model)
-        if chat:
-            yield sse(out.role())
-        yield sse(out.tokens(convert.t0_text_now(body, t0), t0["token_ids"], None, None,
-                             t0["logprobs"] if not chat else None))
         n_prompt, n_out = len(t0["prompt_token_ids"]), len(t0["token_ids"])
         d_inst, response = None, None
         try:
+            if chat:
+                yield sse(out.role())
+            yield sse(out.tokens(convert.t0_text_now(body, t0), t0["token_ids"], None, None,
+                                 t0["logprobs"] if not chat else None))
             d_inst = self.pick("decode", t0["prompt_token_ids"])
             d_inst.in_flight += 1
             response = await self.client.open_stream(d_inst, "/v1/completions",
                                                      msgspec.json.encode(d_body), request_id)
-            t0["decode_accepted"] = True  # D answered 200: it owns the KV's release now
             async for event in sse_events(response):
                 if "error" in event:
                     yield sse(event)
@@ -320,6 +307,8 @@ class FleetProxy:
         finally:
             if response is not None:
                 response.release()  # closes the connection instead if cut short
+            else:  # D never answered 200: nobody will pull P's held KV
+                self._release_abandoned(t0, request_id)
             if d_inst is not None:
                 d_inst.in_flight -= 1
             self.metrics.latency.observe(time.perf_counter() - started)
