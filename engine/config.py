@@ -93,7 +93,6 @@ class SchedulerConfig(_Frozen):
     max_waiting: int = Field(default=4096, gt=0)
     """Bound of the waiting queue; the server answers 503 past it."""
 
-
     def token_budget(self, device_type: str, max_model_len: int) -> int:
         """The step budget for this device when none was set.
 
