@@ -7,7 +7,8 @@ detokenizes every request's new tokens and wakes the waiting streams (RequestStr
 a slow consumer several updates merged).
 
 Cancelling the consumer of a stream (client disconnect) aborts the request in the core, which
-frees its KV blocks.
+frees its KV blocks. A producer request that already finished holds its blocks for a consumer
+that only its answer would have told: `abandon` frees those at once instead of at the lease's end.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from splitserve.engine.core_proc import (
     UtilityRequest,
     UtilityResult,
 )
+from splitserve.engine.held_kv import HeldKV
 from splitserve.engine.metrics import ServerMetrics
 from splitserve.engine.output_processor import OutputProcessor, RequestOutput
 from splitserve.engine.request import EngineCoreRequest, SamplingParams
@@ -63,6 +65,7 @@ class AsyncLLM:
         self.info: CoreReady | None = None
         self.dead_reason: str | None = None
         self._utility_calls: dict[int, asyncio.Future] = {}
+        self.held_kv = HeldKV()
         self._next_call_id = 0
         self.core = CoreClient(config, log_level)
         self._output_task: asyncio.Task | None = None
@@ -176,9 +179,19 @@ class AsyncLLM:
             return
         stream.finished = True
         self.output_processor.abort(request_id)
+        self.held_kv.unwanted(request_id)  # the core may have finished it already
         if self.dead_reason is None:
             self.core.send(AbortRequests([request_id]))
         logger.debug("%s: aborted", request_id)
+
+    def abandon(self, stream: RequestStream) -> None:
+        """The handler gives up on a request without delivering its answer (client gone, an
+        error): abort it if it still runs; if it finished holding KV for a consumer, nobody will
+        pull it, so the producer frees the blocks now instead of at the lease's end."""
+        if stream.finished:
+            self.held_kv.unwanted(stream.request_id)
+        else:
+            self.abort(stream.request_id)
 
     # ------------------------------------------------------------------------------ utilities
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -229,6 +242,9 @@ class AsyncLLM:
             self._mark_dead(msg.message)
 
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        for o in msg.outputs:
+            if o.kv_transfer_params is not None and o.finish_reason is not None:
+                self.held_kv.finished(o.request_id, o.kv_transfer_params)
         outputs, to_abort = self.output_processor.process_outputs(msg.outputs)
         if to_abort:  # a stop string ended these: the core still thinks they run
             self.core.send(AbortRequests(to_abort))

@@ -17,6 +17,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from splitserve.engine.api_errors import APIError, error_response, validation_error
 
@@ -66,8 +67,13 @@ class _BodyTooLarge(Exception):
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """The body as `model`, or an APIError 400 (`invalid_json`, or naming the bad field)."""
-    raw = await request.body()
+    """The body as `model`, or an APIError 400 (`invalid_json`, or naming the bad field); 499
+    (answered to nobody, not logged as a server error) if the client left while sending it."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise APIError(499, "client disconnected while sending the body",
+                       code="client_disconnected") from None
     try:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as err:

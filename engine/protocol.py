@@ -275,9 +275,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class KVReleaseRequest(OpenAIModel):
-    """`POST /v1/kv/release`: the `kv_transfer_params` this instance returned for a request."""
+    """`POST /v1/kv/release`: free what a request holds for a consumer. Either the
+    `kv_transfer_params` this instance returned for it, or the `request_id` (the X-Request-Id)
+    it came with, for a caller that gave up before the answer arrived."""
 
-    kv_transfer_params: dict[str, Any]
+    kv_transfer_params: dict[str, Any] | None = None
+    request_id: str | None = Field(default=None, min_length=1, validate_default=True)
+
+    @field_validator("request_id")
+    @classmethod
+    def _one_input(cls, v: str | None, info: ValidationInfo) -> Any:
+        if (v is None) == (info.data.get("kv_transfer_params") is None):
+            raise ValueError("send either kv_transfer_params or request_id")
+        return v
 
 
 class TokenizeRequest(OpenAIModel):

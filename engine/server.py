@@ -129,9 +129,12 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/kv/release")
     async def release_kv(request: Request) -> JSONResponse:
         """Free the blocks a finished request holds for a consumer (the router calls this when
-        generation stopped at the first token, so no decode instance will pull them). Connectors
-        without holds (redis frees once its write lands) answer `released: false`."""
+        generation stopped at the first token, so no decode instance will pull them, or with the
+        `request_id` when it gave up before the answer came). Connectors without holds (redis
+        frees once its write lands) answer `released: false`."""
         body = await parse_body(request, KVReleaseRequest)
+        if body.request_id is not None:
+            return JSONResponse({"released": serving.release_unanswered(body.request_id)})
         # Through the connector's side channel, as a consumer's "done" would come: the
         # connector owns the hold (it may be serving or saving the blocks right now).
         held = await asyncio.to_thread(release_remote_kv, body.kv_transfer_params)

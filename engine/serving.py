@@ -10,6 +10,7 @@ it over. The JSON of either is response_format.py's; the SSE plumbing is streami
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import msgspec
 from fastapi.responses import JSONResponse, Response
@@ -73,6 +74,18 @@ class OpenAIServing:
         text = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    def release_unanswered(self, base_id: str) -> bool:
+        """The caller of request `base_id` (its X-Request-Id) gave up on the answer: what its
+        prompts hold for a consumer, now or once they finish, is freed. True when some already
+        held blocks."""
+        held = False
+        for i in itertools.count():
+            rid = f"{base_id}-{i}"
+            if i and rid not in self.engine.streams and not self.engine.held_kv.knows(rid):
+                return held
+            held |= self.engine.held_kv.unwanted(rid)
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------------------------ shared
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool
                      ) -> tuple[str, list[int]]:
@@ -126,7 +139,7 @@ class OpenAIServing:
                     )
                 )
         except ValueError as err:
-            self._abort(streams)
+            self._abandon(streams)
             raise APIError(400, str(err), param="X-Request-Id", code="duplicate_id") from None
         return streams
 
@@ -173,15 +186,16 @@ class OpenAIServing:
             raise APIError(400, problem[1], param=problem[0], code="invalid_value")
         return params
 
-    def _abort(self, streams: list[RequestStream]) -> None:
+    def _abandon(self, streams: list[RequestStream]) -> None:
         for s in streams:
-            self.engine.abort(s.request_id)
+            self.engine.abandon(s)
 
     async def _respond(
         self, req: SamplingFields, streams: list[RequestStream], fmt: ResponseFormat
     ) -> Response:
-        """The answer, once the first update of every prompt (streamed) or the last (not) is in;
-        the requests are aborted unless a streamed body took them over."""
+        """The answer, once the first update of every prompt (streamed) or the last (not) is in.
+        Unless the answer is returned or a streamed body took the requests over, they are
+        abandoned (aborted, or their held KV freed: cancelled when the client left)."""
         handed_over = False
         try:
             if req.stream:
@@ -193,16 +207,18 @@ class OpenAIServing:
                     firsts,
                     fmt.stream_events,
                     fmt.stream_end,
-                    lambda: self._abort(streams),
+                    lambda: self._abandon(streams),
                 )
                 handed_over = True
                 return SSEResponse(body)
             outs = await asyncio.gather(*(collect(s) for s in streams))
             _raise_if_failed(outs)
-            return Response(msgspec.json.encode(fmt.body(outs)), media_type="application/json")
+            response = Response(msgspec.json.encode(fmt.body(outs)), media_type="application/json")
+            handed_over = True
+            return response
         finally:
             if not handed_over:
-                self._abort(streams)
+                self._abandon(streams)
 
 
 def _raise_if_failed(outs: list[RequestOutput]) -> None:

@@ -1,8 +1,9 @@
 """Streaming plumbing of the OpenAI server: SSE bodies that always abort, and stream merging.
 
-However a streamed response ends (last chunk, client disconnect, a failed write to a closed
-socket, or a response that is never sent), its engine requests are aborted exactly once, so
-their KV blocks are freed. A request that fails after the headers went out becomes an SSE error
+However a streamed response ends before its last update went out (client disconnect, a failed
+write to a closed socket, a request that failed, or a response that is never sent), its engine
+requests are abandoned exactly once: aborted, or their KV held for a consumer freed, so no block
+outlives an answer nobody received. A request that fails after the headers went out becomes an SSE error
 event followed by `[DONE]`, as OpenAI-compatible clients expect.
 
 Per token, one update of every running request goes from the output loop to its handler and out
@@ -37,8 +38,8 @@ def error_event(err: BaseException) -> bytes:
 
 
 class SSEBody:
-    """The events of a streamed answer, rendered update by update; aborts its requests however it
-    ends (done, error, cancel, dropped).
+    """The events of a streamed answer, rendered update by update; `on_abandon` runs once if it
+    ends before every request's last update was rendered (error, cancel, dropped).
 
     `firsts` are the requests' first updates (already taken: they decided the status line).
     `render(index, update)` gives one update's events, `render_end()` those after the last update
@@ -54,7 +55,7 @@ class SSEBody:
         firsts: list[RequestOutput],
         render: Callable[[int, RequestOutput], bytes],
         render_end: Callable[[], bytes],
-        on_close: Callable[[], None],
+        on_abandon: Callable[[], None],
     ) -> None:
         single = len(streams) == 1
         self._stream = streams[0] if single else None
@@ -62,8 +63,9 @@ class SSEBody:
         self._updates = None if single else iterate_streams(streams, firsts)
         self._num_unfinished = len(streams)
         self._render, self._render_end = render, render_end
-        self._on_close: Callable[[], None] | None = on_close
-        self._done = False
+        self._on_abandon: Callable[[], None] | None = on_abandon
+        self._done = False  # nothing more to send
+        self._complete = False  # every request's last update rendered
 
     def __aiter__(self) -> SSEBody:
         return self
@@ -80,7 +82,7 @@ class SSEBody:
             if out.finished:
                 self._num_unfinished -= 1
                 if self._num_unfinished == 0:
-                    self._done = True
+                    self._done = self._complete = True
                     return data + self._render_end() + DONE
             return data
         except (RuntimeError, ValueError) as err:  # engine died, request failed mid-way
@@ -106,17 +108,19 @@ class SSEBody:
         return 0, out
 
     def close(self) -> None:
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close()
+        if self._on_abandon is not None:
+            on_abandon, self._on_abandon = self._on_abandon, None
+            if not self._complete:
+                on_abandon()
 
     def __del__(self) -> None:
         self.close()
 
 
 class SSEResponse(StreamingResponse):
-    """`text/event-stream` whose body is closed (requests aborted) however the send ends:
-    finished, cancelled on disconnect, or failed writing to a closed socket."""
+    """`text/event-stream` whose body is closed however the send ends (its requests abandoned
+    unless it finished): finished, cancelled on disconnect, or failed writing to a closed
+    socket."""
 
     def __init__(self, body: SSEBody) -> None:
         super().__init__(

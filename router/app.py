@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from splitserve.engine.fleet import FleetConfig, RouterConfig
@@ -83,7 +84,10 @@ def _completion_endpoints(max_body_bytes: int, proxy: FleetProxy, metrics: Route
 
     async def handle(request: Request, model: type[BaseModel], chat: bool) -> Response:
         started = time.perf_counter()
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone while sending: nothing to answer, nothing to log
+            return Response(status_code=499)
         if len(raw) > max_body_bytes:
             return error_response(413, f"request body larger than {max_body_bytes} "
                                   "bytes (router.max_body_bytes)", "request_too_large")

@@ -14,7 +14,9 @@ prefills itself. t0 ends the request (EOS, stop, max_tokens 1) → the answer co
 and, once it is sent, the router tells P to free its held blocks (`POST /v1/kv/release`); were
 that call lost, the lease frees them. (With max_tokens 1 P holds none: it is not asked to.)
 The same release goes out when no decode instance accepts the request after t0 (the client
-left, no healthy D, D failed or refused it): once D accepts, freeing P is D's job.
+left, no healthy D, D failed or refused it): once D accepts, freeing P is D's job. If P's answer
+itself never arrives (the client left while P computed, P timed out), the release names the
+request id instead: P frees what it holds for it, now or when it finishes.
 A batch of prompts takes this path once per prompt (router/batch.py). Colocated fleets skip
 all of this: the body goes to one instance and its answer comes back.
 """
@@ -160,6 +162,10 @@ class FleetProxy:
             except InstanceUnavailable as err:
                 logger.warning("%s: prefill on %s failed: %s", request_id, inst.url, err)
                 self.registry.mark_down(inst, str(err))
+                self._release_later(inst.url, {"request_id": request_id}, request_id)
+            except asyncio.CancelledError:  # the client left: P may have finished all the same
+                self._release_later(inst.url, {"request_id": request_id}, request_id)
+                raise
             finally:
                 inst.in_flight -= 1
         return None
@@ -222,26 +228,32 @@ class FleetProxy:
         Run as the answer's background task, once the answer is sent: off the client's path."""
         if not t0.get("kv_transfer_params"):
             return None
-        return BackgroundTask(self._release, t0, request_id)
+        return BackgroundTask(self._release, t0["prefill_url"],
+                              {"kv_transfer_params": t0["kv_transfer_params"]}, request_id)
 
     def _release_abandoned(self, t0: dict[str, Any], request_id: str) -> None:
         """The request ends before a decode instance accepted it (client gone, D failed or
-        refused it): nobody will pull P's held KV, so free it now instead of at lease end. From
-        a closing stream or a cancelled task, hence a task of its own. Should D have received
-        the request after all, its own release or "done" comes too; P takes either once."""
-        if not t0.get("kv_transfer_params"):
-            return
-        task = asyncio.get_running_loop().create_task(self._release(t0, request_id))
+        refused it): nobody will pull P's held KV, so free it now instead of at lease end.
+        Should D have received the request after all, its own release or "done" comes too; P
+        takes either once."""
+        if t0.get("kv_transfer_params"):
+            self._release_later(t0["prefill_url"],
+                                {"kv_transfer_params": t0["kv_transfer_params"]}, request_id)
+
+    def _release_later(self, url: str, payload: dict[str, Any], request_id: str) -> None:
+        """`_release` as a task of its own: callers are closing streams or cancelled tasks.
+        With `{"request_id"}` (P's answer never came: the client left, P timed out) P frees
+        whatever that request holds, now or once it finishes."""
+        task = asyncio.get_running_loop().create_task(self._release(url, payload, request_id))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, t0: dict[str, Any], request_id: str) -> None:
-        body = msgspec.json.encode({"kv_transfer_params": t0["kv_transfer_params"]})
+    async def _release(self, url: str, payload: dict[str, Any], request_id: str) -> None:
         try:
-            await self.client.request("POST", f"{t0['prefill_url']}/v1/kv/release", body,
-                                      timeout_s=5.0)
+            await self.client.request("POST", f"{url}/v1/kv/release",
+                                      msgspec.json.encode(payload), timeout_s=5.0)
         except InstanceUnavailable as err:  # the lease frees the blocks anyway
-            logger.warning("%s: release on %s failed: %s", request_id, t0["prefill_url"], err)
+            logger.warning("%s: release on %s failed: %s", request_id, url, err)
 
     def _sse(self, chunks: AsyncIterator[bytes], request_id: str,
              background: BackgroundTask | None = None) -> StreamingResponse:

@@ -4,6 +4,8 @@ clash between folders)."""
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 
 MODEL_CACHE = Path(os.environ.get("SPLITSERVE_TEST_MODELS",
@@ -26,3 +28,12 @@ def tiny_model_dir(arch: str = "llama", dtype: str = "float32", rope_scaling: st
 
 def assert_all_blocks_free(stats: dict) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def send_truncated_body(url: str, path: str) -> None:
+    """A client that announces 1000 bytes of body, sends 10 and leaves."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 1000\r\n\r\n{\"prompt\":".encode())
+    time.sleep(0.3)

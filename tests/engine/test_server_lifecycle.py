@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 from server_helpers import Server, cli, prompt
-from testutil import assert_all_blocks_free
+from testutil import assert_all_blocks_free, send_truncated_body
 
 
 def test_client_disconnect_frees_blocks(server: Server):
@@ -39,6 +39,14 @@ def test_client_disconnect_frees_blocks(server: Server):
     assert_all_blocks_free(h)
     # Aborted, not run to the end: far fewer than 2 x 900 tokens were generated.
     assert server.generated_tokens() - before < 900
+
+
+def test_client_leaving_mid_body_is_not_a_server_error(server: Server):
+    before = server.log.read_text()
+    send_truncated_body(server.url, "/v1/completions")
+    after = server.log.read_text()[len(before):]
+    assert "Traceback" not in after and "Exception in ASGI" not in after, after
+    assert server.health()["running"] == 0
 
 
 def test_bad_config_exits_2(tmp_path: Path, llama_fp32: str):
