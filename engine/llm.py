@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -41,7 +42,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results in prompt order.
+        """Run every prompt to completion; results in prompt order, one per prompt with its
+        `sampling_params.n` choices in `outputs` (choice j seeded with `seed + j`).
 
         A prompt is a string or `{"prompt_token_ids": [...]}`, optionally with
         `"num_prior_output_tokens": k` (its last k tokens are output generated before; see
@@ -55,15 +57,22 @@ class LLM:
         priorities = _broadcast(list(priority) if priority is not None else 0, n, "priority")
         transfers = _broadcast(list(kv_transfer_params) if kv_transfer_params else None, n,
                                "kv_transfer_params")
-        requests = [self._make_request(p, sp, prio, kt) for p, sp, prio, kt
-                    in zip(prompts, params, priorities, transfers, strict=True)]
+        for p, sp, kt in zip(prompts, params, transfers, strict=True):
+            prior = isinstance(p, dict) and p.get("num_prior_output_tokens")
+            if isinstance(sp, SamplingParams) and sp.n > 1 and (prior or kt):
+                raise ValueError("n > 1 cannot be combined with kv_transfer_params or prior "
+                                 "output (num_prior_output_tokens)")
+        requests = [self._make_request(p, sp.for_choice(j), prio, kt) for p, sp, prio, kt
+                    in zip(prompts, params, priorities, transfers, strict=True)
+                    for j in range(sp.n)]
         for _, req in requests:
             self.engine.validate_request(req)
         for text, req in requests:
             self.output_processor.add_request(req.request_id, text, req.prompt_token_ids,
                                               req.sampling_params, req.num_prior_output_tokens)
             self.engine.add_request(req)
-        return self._run([req.request_id for _, req in requests], use_tqdm)
+        outputs = self._run([req.request_id for _, req in requests], use_tqdm)
+        return _merge_choices(outputs, [sp.n for sp in params])
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int,
                       kv_transfer_params: dict[str, Any] | None
@@ -120,6 +129,19 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _merge_choices(outputs: list[RequestOutput], ns: list[int]) -> list[RequestOutput]:
+    """One RequestOutput per prompt: its n choices' outputs, `index` 0..n-1 (vLLM's shape)."""
+    merged, at = [], 0
+    for n in ns:
+        group, at = outputs[at : at + n], at + n
+        if n == 1:
+            merged.append(group[0])
+            continue
+        choices = [dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(group)]
+        merged.append(dataclasses.replace(group[0], outputs=choices))
+    return merged
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

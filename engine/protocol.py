@@ -95,6 +95,9 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
     """vLLM: put the running `usage` on every chunk."""
 
+MAX_N = 128
+"""Most choices per prompt (`n`): each is an engine request in the waiting queue."""
+
 
 class ResponseFormatSpec(OpenAIModel):
     type: Literal["text"]
@@ -118,8 +121,9 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    n: Literal[1] = 1
-    """Only one choice per prompt is generated."""
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    """Choices per prompt (parallel sampling): each is its own engine request; with a `seed`,
+    choice j samples with `seed + j` (vLLM's rule)."""
     best_of: Literal[1] | None = None
     """Only one candidate per prompt is generated."""
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -139,6 +143,14 @@ class SamplingFields(OpenAIModel):
     """Passed to the engine's KV connector; the connector's answer comes back at top level."""
     return_token_ids: bool = False
     """Add `prompt_token_ids` and `token_ids` to each choice (vLLM); the P/D router uses it."""
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _one_choice_with_kv_transfer(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("n", 1) > 1:
+            raise ValueError("cannot be combined with n > 1 (the P/D router sends each choice "
+                             "through prefill and decode on its own)")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -202,6 +214,13 @@ class CompletionRequest(SamplingFields):
     They count as output, as in a colocated run: penalties, `min_tokens`/`max_tokens`, the seeded
     position, stop strings spanning them and what follows, `usage.completion_tokens`. The answer
     carries only what follows them: its text starts at `deliverable_text_len` of theirs."""
+
+    @field_validator("num_prior_output_tokens")
+    @classmethod
+    def _one_choice_with_prior_output(cls, v: int, info: ValidationInfo) -> int:
+        if v and info.data.get("n", 1) > 1:
+            raise ValueError("cannot be combined with n > 1: prior output is one choice's")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -35,12 +35,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (OpenAI)
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM)
+    n: int = 1  # choices per prompt: the front end makes one request per choice (for_choice)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
@@ -67,6 +69,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def for_choice(self, j: int) -> SamplingParams:
+        """The request of choice j (of `n`): one choice, seeded with `seed + j` (vLLM's rule),
+        so choices differ and each is reproducible on its own."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else self.seed + j
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

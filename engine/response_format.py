@@ -28,13 +28,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
+def usage_of(outputs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
     """Prior output (`num_prior_output_tokens`) counts as completion, not prompt: the usage of
-    a decode instance's answer is that of the whole request, as a colocated run reports it."""
+    a decode instance's answer is that of the whole request, as a colocated run reports it.
+    `outputs` are in choice order, `n` per prompt: a prompt counts once (as OpenAI and vLLM
+    count it), from its first choice."""
+    firsts = outputs[::n]
     return usage(
-        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(o.prompt_token_ids) for o in firsts),
         sum(o.num_output_tokens for o in outputs),
-        sum(o.num_cached_tokens for o in outputs),
+        sum(o.num_cached_tokens for o in firsts),
     )
 
 
@@ -53,8 +56,9 @@ class ResponseFormat(ABC):
         self.req, self.rid, self.model_name, self.tokenizer = req, rid, model_name, tokenizer
         # Read per chunk: plain attributes, not the request model's properties.
         self.include_usage, self.continuous_usage = req.include_usage, req.continuous_usage
+        self.n = req.n
         self._chunk_header: dict[str, Any] | None = None  # set by the first streamed update
-        self._finals: dict[int, RequestOutput] = {}  # prompt index → its last update
+        self._finals: dict[int, RequestOutput] = {}  # choice index → its last update
 
     def header(self, object_name: str) -> dict[str, Any]:
         return {
@@ -97,7 +101,7 @@ class ResponseFormat(ABC):
         """The events after every prompt's last update: the usage chunk, if asked for."""
         if not self.include_usage or self._chunk_header is None:
             return b""
-        usage = usage_of(list(self._finals.values()))
+        usage = usage_of([self._finals[i] for i in sorted(self._finals)], self.n)
         return sse({**self._chunk_header, "choices": [], "usage": usage})
 
     def token_str(self, token_id: int) -> str:
@@ -136,7 +140,7 @@ class CompletionFormat(ResponseFormat):
         return {
             **self.header(self.object_name),
             "choices": choices,
-            "usage": usage_of(outs),
+            "usage": usage_of(outs, self.n),
             "kv_transfer_params": outs[0].kv_transfer_params,
         }
 
@@ -189,39 +193,46 @@ class ChatFormat(ResponseFormat):
     req: ChatCompletionRequest
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        out = outs[0]
-        c = out.outputs[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": self.logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         body = {
             **self.header(self.object_name),
-            "choices": [choice],
-            "usage": usage_of(outs),
-            "kv_transfer_params": out.kv_transfer_params,
+            "choices": choices,
+            "usage": usage_of(outs, self.n),
+            "kv_transfer_params": outs[0].kv_transfer_params,
         }
         if self.req.return_token_ids:
-            choice["token_ids"] = c.token_ids
-            body["prompt_token_ids"] = out.prompt_token_ids
+            body["prompt_token_ids"] = outs[0].prompt_token_ids
         return body
 
     def opening_chunks(self, header: dict[str, Any], out: RequestOutput) -> list[dict[str, Any]]:
-        """The role chunk: `delta: {role: assistant, content: ""}`, as OpenAI opens a stream."""
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-        role = {**header, "choices": [choice]}
-        if self.req.return_token_ids:
-            role["prompt_token_ids"] = out.prompt_token_ids
-        return [role]
+        """The role chunks, one per choice: `delta: {role: assistant, content: ""}`, as OpenAI
+        opens a stream."""
+        chunks = []
+        for i in range(self.n):
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+            role = {**header, "choices": [choice]}
+            if self.req.return_token_ids:
+                role["prompt_token_ids"] = out.prompt_token_ids
+            chunks.append(role)
+        return chunks
 
     def stream_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         c = out.outputs[0]
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": {"content": out.new_text},
             "logprobs": None,
             "finish_reason": c.finish_reason,

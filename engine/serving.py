@@ -107,7 +107,9 @@ class OpenAIServing:
         max_tokens: int | None,
         num_prior: int = 0,
     ) -> list[RequestStream]:
-        """Build every prompt's SamplingParams first (a bad one queues nothing), then queue.
+        """Build every prompt's SamplingParams first (a bad one queues nothing), then queue
+        `n` requests per prompt: choice j of prompt i is request `{base_id}-{i * n + j}`, its
+        choice `index` in the answer.
 
         The last `num_prior` tokens of each prompt are prior output: limits are those of the
         prompt before them, as in the colocated run that generated them."""
@@ -125,19 +127,21 @@ class OpenAIServing:
                     400, str(err), param="num_prior_output_tokens", code="invalid_value"
                 ) from None
         streams: list[RequestStream] = []
+        n = req.n
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True)):
-                streams.append(
-                    self.engine.add_request(
-                        f"{base_id}-{i}",
-                        text,
-                        ids,
-                        sp,
-                        req.priority,
-                        req.kv_transfer_params,
-                        num_prior,
+                for j in range(n):
+                    streams.append(
+                        self.engine.add_request(
+                            f"{base_id}-{i * n + j}",
+                            text,
+                            ids,
+                            sp.for_choice(j),
+                            req.priority,
+                            req.kv_transfer_params,
+                            num_prior,
+                        )
                     )
-                )
         except ValueError as err:
             self._abandon(streams)
             raise APIError(400, str(err), param="X-Request-Id", code="duplicate_id") from None
@@ -178,6 +182,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids,
+                n=req.n,
             )
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None

@@ -1,10 +1,11 @@
-"""A batch of prompts (a completion `prompt` list of several) through P/D: one flow per prompt.
+"""Several choices through P/D (a completion `prompt` list, `n` > 1): one flow per choice.
 
-Each prompt takes the single-prompt path (`FleetProxy.disaggregated`: its own prefill, t0 at
-once, its own decode with t0 as prior output), so every prompt of a batch gets what a colocated
-instance gives it, and the batch's prompts prefill in parallel on the prefill fleet instead of
-on one decode instance. The answers merge back into the shape an instance gives a batch:
-choice `index` is the prompt's place and usage is summed; streamed, the prompts' chunks
+Each choice takes the single-prompt path (`FleetProxy.disaggregated`: its own prefill, t0 at
+once, its own decode with t0 as prior output), so every choice gets what a colocated instance
+gives it, and the prefills run in parallel on the prefill fleet instead of on one decode
+instance. Choice j of prompt i is a request with `n: 1` and, when seeded, `seed + j`, as an
+instance samples it. The answers merge back into the shape an instance gives: choice `index`
+is i * n + j; usage sums completions and counts each prompt once; streamed, the choices' chunks
 interleave as they come and one usage chunk (if asked for) ends the stream.
 """
 
@@ -26,29 +27,51 @@ if TYPE_CHECKING:
     from splitserve.router.pd import FleetProxy
 
 
-def is_batch(body: dict[str, Any] | None, chat: bool) -> bool:
-    """Several prompts in one completion request (text or token-id lists)."""
-    if body is None or chat or not isinstance(body.get("prompt"), list):
+def fans_out(body: dict[str, Any] | None, chat: bool) -> bool:
+    """More than one choice: `n` > 1, or several prompts in a completion request."""
+    if body is None:
         return False
-    prompt = body["prompt"]
-    return len(prompt) > 1 and not isinstance(prompt[0], int)
+    return (body.get("n") or 1) > 1 or (not chat and len(_prompts(body)) > 1)
 
 
-async def disaggregated_batch(
-    proxy: FleetProxy, path: str, body: dict[str, Any], request_id: str, started: float
-) -> Response:
-    """Every prompt through P/D at once; one answer. A failed prompt fails the request."""
-    stream = bool(body.get("stream"))
-    subs = [{**body, "prompt": p} for p in body["prompt"]]
-    if stream:  # every sub-stream ends with its usage, which is summed here
+def _prompts(body: dict[str, Any]) -> list[Any]:
+    """A completion's prompts: a list of texts or of token-id lists is several, else one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return prompt
+    return [prompt]
+
+
+def _choice_bodies(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """One single-choice body per choice, in choice order."""
+    n, seed = body.get("n") or 1, body.get("seed")
+    subs = []
+    for prompt in [None] if chat else _prompts(body):
+        for j in range(n):
+            sub = {**body, "n": 1}
+            if not chat:
+                sub["prompt"] = prompt
+            if seed is not None:
+                sub["seed"] = seed + j
+            subs.append(sub)
+    if body.get("stream"):  # every sub-stream ends with its usage, which is summed here
         options = {**(body.get("stream_options") or {}), "include_usage": True}
         subs = [{**s, "stream_options": options} for s in subs]
+    return subs
+
+
+async def disaggregated_choices(
+    proxy: FleetProxy, path: str, body: dict[str, Any], chat: bool, request_id: str,
+    prompt: Any, started: float
+) -> Response:
+    """Every choice through P/D at once; one answer. A failed choice fails the request."""
+    stream, n = bool(body.get("stream")), body.get("n") or 1
+    subs = _choice_bodies(body, chat)
     results = await asyncio.gather(
         *(
-            proxy.disaggregated(
-                path, msgspec.json.encode(s), s, False, f"{request_id}-{i}", s["prompt"], started
-            )
-            for i, s in enumerate(subs)
+            proxy.disaggregated(path, msgspec.json.encode(s), s, chat, f"{request_id}-{k}",
+                                prompt if chat else s["prompt"], started)
+            for k, s in enumerate(subs)
         ),
         return_exceptions=True,
     )
@@ -59,40 +82,38 @@ async def disaggregated_batch(
         if failure is not None:
             raise failure
         return failed
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
     if not stream:
         answers = [msgspec.json.decode(r.body) for r in results]
         return Response(
-            msgspec.json.encode(_merge(answers, request_id)),
+            msgspec.json.encode(_merge(answers, rid, n)),
             media_type="application/json",
             headers={"X-Request-Id": request_id},
             background=_after(results),
         )
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return StreamingResponse(
-        _interleave(results, request_id, include_usage),
+        _interleave(results, rid, n, include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
     )
 
 
-def _merge(answers: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
-    choices = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-    usage = _sum_usage([a["usage"] for a in answers])
-    return {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": answers[0].get("model"),
-        "choices": choices,
-        "usage": usage,
-    }
+def _merge(answers: list[dict[str, Any]], rid: str, n: int) -> dict[str, Any]:
+    """The first answer's shape (object, model, chat's prompt_token_ids), every choice."""
+    choices = [{**a["choices"][0], "index": k} for k, a in enumerate(answers)]
+    usage = _sum_usage([a["usage"] for a in answers], n)
+    return {**answers[0], "id": rid, "created": int(time.time()), "choices": choices,
+            "usage": usage}
 
 
-def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+def _sum_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Completions summed; a prompt's tokens (and cache hits) once, from its first choice."""
+    firsts = usages[::n]
     return convert.usage(
-        sum(u["prompt_tokens"] for u in usages),
+        sum(u["prompt_tokens"] for u in firsts),
         sum(u["completion_tokens"] for u in usages),
-        sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages),
+        sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in firsts),
     )
 
 
@@ -119,7 +140,7 @@ async def _discard(responses: list[Response]) -> None:
 
 
 async def _interleave(
-    responses: list[StreamingResponse], request_id: str, include_usage: bool
+    responses: list[StreamingResponse], rid: str, n: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The sub-streams' chunks as they come, re-indexed; an error event ends the stream.
 
@@ -138,7 +159,8 @@ async def _interleave(
             await response.body_iterator.aclose()  # type: ignore[attr-defined]
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(responses)]
-    usages, open_streams, base = [], len(tasks), None
+    usages: dict[int, dict[str, Any]] = {}  # choice index → its usage
+    open_streams, base = len(tasks), None
     try:
         while open_streams:
             i, event = await queue.get()
@@ -148,18 +170,17 @@ async def _interleave(
                 yield sse(event)
                 break
             elif event.get("usage") and not event.get("choices"):
-                usages.append(event["usage"])
+                usages[i] = event["usage"]
                 base = base or event
             else:
                 base = base or event
                 for choice in event.get("choices") or []:
                     choice["index"] = i
-                yield sse({**event, "id": f"cmpl-{request_id}"})
+                yield sse({**event, "id": rid})
         else:
             if include_usage and usages and base is not None:
-                yield sse(
-                    {**base, "id": f"cmpl-{request_id}", "choices": [], "usage": _sum_usage(usages)}
-                )
+                usage = _sum_usage([usages[k] for k in sorted(usages)], n)
+                yield sse({**base, "id": rid, "choices": [], "usage": usage})
     finally:
         for task in tasks:
             task.cancel()

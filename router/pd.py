@@ -17,7 +17,7 @@ The same release goes out when no decode instance accepts the request after t0 (
 left, no healthy D, D failed or refused it): once D accepts, freeing P is D's job. If P's answer
 itself never arrives (the client left while P computed, P timed out), the release names the
 request id instead: P frees what it holds for it, now or when it finishes.
-A batch of prompts takes this path once per prompt (router/batch.py). Colocated fleets skip
+A batch of prompts, or `n` > 1, takes this path once per choice (router/batch.py). Colocated fleets skip
 all of this: the body goes to one instance and its answer comes back.
 """
 
@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from splitserve.router import convert
-from splitserve.router.batch import disaggregated_batch, is_batch
+from splitserve.router.batch import disaggregated_choices, fans_out
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import RoutingPolicy
 from splitserve.router.registry import Instance, InstanceRegistry
@@ -94,8 +94,9 @@ class FleetProxy:
                 return await self.forward("colocated", path, raw, request_id, prompt, started)
             if body is None:  # invalid: the instance answers the error
                 return await self.forward("decode", path, raw, request_id, prompt, started)
-            if is_batch(body, chat):
-                return await disaggregated_batch(self, path, body, request_id, started)
+            if fans_out(body, chat):
+                return await disaggregated_choices(self, path, body, chat, request_id, prompt,
+                                                   started)
             return await self.disaggregated(path, raw, body, chat, request_id, prompt, started)
         except NoInstance as err:
             self.metrics.errors.labels("no_instance").inc()

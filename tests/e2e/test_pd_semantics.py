@@ -381,3 +381,39 @@ def test_client_leaving_mid_body_is_not_a_router_error(fleets):
     after = log.read_text()[len(before):]
     assert "Traceback" not in after and "Exception in ASGI" not in after, after
     assert _complete(fleet, False, PROMPT, max_tokens=2)["usage"][1] == 2
+
+
+def _choices(fleet, chat: bool, stream: bool, **params: Any) -> tuple[dict, tuple]:
+    """{index: (text, finish_reason)} and (prompt, completion) usage, streamed or not."""
+    client = _client(fleet)
+    create = client.chat.completions.create if chat else client.completions.create
+    if not stream:
+        r = create(**params)
+        return ({c.index: (c.message.content if chat else c.text, c.finish_reason)
+                 for c in r.choices}, (r.usage.prompt_tokens, r.usage.completion_tokens))
+    texts, finish, usage = {}, {}, None
+    for chunk in create(stream=True, stream_options={"include_usage": True}, **params):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + ((c.delta.content or "") if chat else c.text)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        if chunk.usage:
+            usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+    return {k: (texts[k], finish[k]) for k in sorted(texts)}, usage
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_choices_through_pd_equal_colocated(fleets, chat):
+    """`n` > 1 (with a batch of prompts for completions): the router sends every choice through
+    P and D on its own (`n: 1`, `seed + j`); the answer equals a colocated instance's."""
+    params: dict[str, Any] = {"model": MODEL_NAME, "n": 3, "max_tokens": 4, "temperature": 1.0,
+                              "seed": 9}
+    if chat:
+        params["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        params["prompt"] = [PROMPT, "def main():"]
+    want = _choices(fleets["colocated"], chat, False, **params)
+    assert sorted(want[0]) == list(range(3 if chat else 6))
+    assert len({text for text, _ in want[0].values()}) > 1
+    for stream in (False, True):
+        assert _choices(fleets["1p1d-nixl"], chat, stream, **params) == want, stream
+    wait_all_blocks_free(fleets["1p1d-nixl"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from testutil import assert_all_blocks_free
@@ -38,6 +39,28 @@ def test_seeded_sampling_same_alone_and_in_batch(llm):
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24,
                                 ignore_eos=True)
     assert llm.generate(PROMPTS[0], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert_all_blocks_free(llm.stats())
+
+
+def test_n_choices_are_seed_plus_j_requests(llm):
+    """`n` (vLLM's shape): one RequestOutput per prompt with n outputs, index j; choice j is the
+    request with `seed + j`, compared in the same batch composition (same numerics)."""
+    params = SamplingParams(temperature=1.0, seed=70, max_tokens=8, ignore_eos=True)
+    explicit = llm.generate(
+        [p for p in PROMPTS[:2] for _ in range(3)],
+        [msgspec.structs.replace(params, seed=70 + j) for _ in range(2) for j in range(3)],
+        use_tqdm=False,
+    )
+    outs = llm.generate(PROMPTS[:2], msgspec.structs.replace(params, n=3), use_tqdm=False)
+    assert len(outs) == 2
+    for i, out in enumerate(outs):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in out.outputs] == [
+            explicit[i * 3 + j].outputs[0].token_ids for j in range(3)]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
+    with pytest.raises(ValueError, match="n > 1 cannot be combined"):
+        llm.generate({"prompt_token_ids": [5, 6, 7], "num_prior_output_tokens": 1},
+                     SamplingParams(n=2), use_tqdm=False)
     assert_all_blocks_free(llm.stats())
 
 

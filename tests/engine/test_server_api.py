@@ -240,3 +240,51 @@ def test_tokenize_and_detokenize(server: Server, client: openai.OpenAI):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
     r = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404
+
+
+def test_n_choices_seeded_per_choice_and_usage(server: Server, client: openai.OpenAI):
+    """`n`: choice j of prompt i is at index i * n + j and samples as a one-choice request with
+    `seed + j` would; a prompt's tokens count once in the usage; streamed equals not. (Few
+    tokens: a batch's numerics differ from a lone request's in the last bits, enough to flip a
+    near-tie draw now and then.)"""
+    params = {"model": server.model, "max_tokens": 4, "temperature": 1.0, "seed": 40,
+              "extra_body": {"ignore_eos": True}}
+    prompts = ["import os", "def main("]
+    r = client.completions.create(prompt=prompts, n=2, **params)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for i, p in enumerate(prompts):
+        for j in range(2):
+            alone = client.completions.create(prompt=p, **{**params, "seed": 40 + j})
+            assert r.choices[i * 2 + j].text == alone.choices[0].text, (i, j)
+    singles = [client.completions.create(prompt=p, **params).usage for p in prompts]
+    assert r.usage.prompt_tokens == sum(u.prompt_tokens for u in singles)
+    assert r.usage.completion_tokens == 4 * 4
+
+    streamed: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True,
+                                           stream_options={"include_usage": True}, **params):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert streamed == {c.index: c.text for c in r.choices}
+    assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_n_choices_streamed_and_not(server: Server, client: openai.OpenAI):
+    params = {"model": server.model, "messages": [{"role": "user", "content": "hello"}],
+              "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 3,
+              "extra_body": {"ignore_eos": True}}
+    r = client.chat.completions.create(**params)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # seeds 3, 4, 5 differ
+    assert r.usage.completion_tokens == 15
+    roles, texts = set(), {}
+    for chunk in client.chat.completions.create(stream=True, **params):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0, 1, 2}
+    assert texts == {c.index: c.message.content for c in r.choices}
+    assert_all_blocks_free(server.wait_idle())

@@ -22,6 +22,7 @@ from splitserve.engine.config import EngineConfig, parse_bytes
     ({"top_k": -5}, "top_k"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"logprobs": 50}, "logprobs"),
+    ({"n": 0}, "n must be >= 1"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
