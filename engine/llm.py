@@ -58,10 +58,10 @@ class LLM:
         transfers = _broadcast(list(kv_transfer_params) if kv_transfer_params else None, n,
                                "kv_transfer_params")
         for p, sp, kt in zip(prompts, params, transfers, strict=True):
-            prior = isinstance(p, dict) and p.get("num_prior_output_tokens")
-            if isinstance(sp, SamplingParams) and sp.n > 1 and (prior or kt):
-                raise ValueError("n > 1 cannot be combined with kv_transfer_params or prior "
-                                 "output (num_prior_output_tokens)")
+            prior = p.get("num_prior_output_tokens", 0) if isinstance(p, dict) else 0
+            problem = sp.choices_error(prior, kt) if isinstance(sp, SamplingParams) else None
+            if problem is not None:
+                raise ValueError(problem[1])
         requests = [self._make_request(p, sp.for_choice(j), prio, kt) for p, sp, prio, kt
                     in zip(prompts, params, priorities, transfers, strict=True)
                     for j in range(sp.n)]

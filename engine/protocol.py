@@ -95,6 +95,14 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
     """vLLM: put the running `usage` on every chunk."""
 
+def split_prompts(prompt: Any) -> list[Any]:
+    """A completion's `prompt` as a list of prompts: a text or one token-id list is one prompt,
+    a list of texts or of token-id lists is several (the router splits a raw body the same way)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return list(prompt)
+    return [prompt]
+
+
 MAX_N = 128
 """Most choices per prompt (`n`): each is an engine request in the waiting queue."""
 
@@ -143,14 +151,6 @@ class SamplingFields(OpenAIModel):
     """Passed to the engine's KV connector; the connector's answer comes back at top level."""
     return_token_ids: bool = False
     """Add `prompt_token_ids` and `token_ids` to each choice (vLLM); the P/D router uses it."""
-
-    @field_validator("kv_transfer_params")
-    @classmethod
-    def _one_choice_with_kv_transfer(cls, v: Any, info: ValidationInfo) -> Any:
-        if v and info.data.get("n", 1) > 1:
-            raise ValueError("cannot be combined with n > 1 (the P/D router sends each choice "
-                             "through prefill and decode on its own)")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -215,13 +215,6 @@ class CompletionRequest(SamplingFields):
     position, stop strings spanning them and what follows, `usage.completion_tokens`. The answer
     carries only what follows them: its text starts at `deliverable_text_len` of theirs."""
 
-    @field_validator("num_prior_output_tokens")
-    @classmethod
-    def _one_choice_with_prior_output(cls, v: int, info: ValidationInfo) -> int:
-        if v and info.data.get("n", 1) > 1:
-            raise ValueError("cannot be combined with n > 1: prior output is one choice's")
-        return v
-
     @field_validator("prompt")
     @classmethod
     def _prompt_non_empty(cls, v: Any) -> Any:
@@ -232,12 +225,7 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt, text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return split_prompts(self.prompt)
 
     @property
     def num_logprobs(self) -> int | None:

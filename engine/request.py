@@ -92,6 +92,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 return field, f"{field}: token id {bad} is out of range [0, {vocab_size})"
         return None
 
+    def choices_error(
+        self, num_prior_output_tokens: int, kv_transfer_params: dict[str, Any] | None
+    ) -> tuple[str, str] | None:
+        """(field, message) when `n` > 1 meets what only one choice can have: prior output (one
+        choice's tokens) or a KV transfer (the P/D router sends each choice on its own)."""
+        if self.n == 1:
+            return None
+        for field, value in (("num_prior_output_tokens", num_prior_output_tokens),
+                             ("kv_transfer_params", kv_transfer_params)):
+            if value:
+                return field, f"n > 1 cannot be combined with {field} (one choice per request)"
+        return None
+
     @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0

@@ -10,7 +10,6 @@ it over. The JSON of either is response_format.py's; the SSE plumbing is streami
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import msgspec
 from fastapi.responses import JSONResponse, Response
@@ -78,13 +77,13 @@ class OpenAIServing:
         """The caller of request `base_id` (its X-Request-Id) gave up on the answer: what its
         prompts hold for a consumer, now or once they finish, is freed. True when some already
         held blocks."""
-        held = False
-        for i in itertools.count():
+        held_kv, held, i = self.engine.held_kv, False, 0
+        while True:  # prompt 0 always (it may not have finished yet), then every one known
             rid = f"{base_id}-{i}"
-            if i and rid not in self.engine.streams and not self.engine.held_kv.knows(rid):
+            if i and rid not in self.engine.streams and not held_kv.knows(rid):
                 return held
-            held |= self.engine.held_kv.unwanted(rid)
-        raise AssertionError("unreachable")
+            held |= held_kv.unwanted(rid)
+            i += 1
 
     # ------------------------------------------------------------------------------ shared
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool
@@ -120,6 +119,9 @@ class OpenAIServing:
             if not ids:
                 raise APIError(400, "prompt is empty (no tokens after tokenization)",
                                param="prompt", code="invalid_value")
+            problem = sp.choices_error(num_prior, req.kv_transfer_params)
+            if problem is not None:
+                raise APIError(400, problem[1], param=problem[0], code="invalid_value")
             try:
                 check_prior_output(num_prior, len(ids), sp.max_tokens)
             except ValueError as err:

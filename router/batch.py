@@ -20,6 +20,7 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from splitserve.engine.protocol import split_prompts
 from splitserve.router import convert
 from splitserve.router.upstream import DONE, sse
 
@@ -31,22 +32,14 @@ def fans_out(body: dict[str, Any] | None, chat: bool) -> bool:
     """More than one choice: `n` > 1, or several prompts in a completion request."""
     if body is None:
         return False
-    return (body.get("n") or 1) > 1 or (not chat and len(_prompts(body)) > 1)
-
-
-def _prompts(body: dict[str, Any]) -> list[Any]:
-    """A completion's prompts: a list of texts or of token-id lists is several, else one."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return prompt
-    return [prompt]
+    return (body.get("n") or 1) > 1 or (not chat and len(split_prompts(body.get("prompt"))) > 1)
 
 
 def _choice_bodies(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
     """One single-choice body per choice, in choice order."""
     n, seed = body.get("n") or 1, body.get("seed")
     subs = []
-    for prompt in [None] if chat else _prompts(body):
+    for prompt in [None] if chat else split_prompts(body.get("prompt")):
         for j in range(n):
             sub = {**body, "n": 1}
             if not chat:
